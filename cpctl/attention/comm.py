@@ -1,0 +1,55 @@
+"""The few collectives the CP engine uses, in one place so torch-version quirks stay here.
+
+Everything is asynchronous: the engine posts a transfer, computes, then waits, so K/V move
+while attention runs (on CUDA, NCCL works on its own stream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Ring:
+    """This rank's neighbours in the CP group, as global ranks (P2P takes global ranks)."""
+
+    group: dist.ProcessGroup
+    size: int
+    rank: int
+    next_global: int
+    prev_global: int
+
+    @classmethod
+    def of(cls, group: dist.ProcessGroup) -> Ring:
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        return cls(group, size, rank, ranks[(rank + 1) % size], ranks[(rank - 1) % size])
+
+    def shift(self, send: torch.Tensor, recv: torch.Tensor) -> list:
+        """Post: send `send` to the next rank, receive the previous rank's into `recv`."""
+        ops = [
+            dist.P2POp(dist.isend, send, self.next_global, self.group),
+            dist.P2POp(dist.irecv, recv, self.prev_global, self.group),
+        ]
+        return dist.batch_isend_irecv(ops)
+
+
+def wait_all(requests: list) -> None:
+    for request in requests:
+        request.wait()
+
+
+def all_gather_async(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup):
+    """Gather `local` from every rank into `output` (ranks stacked along dim 0)."""
+    if hasattr(dist, "all_gather_into_tensor"):
+        # gloo wants the ranks concatenated along dim 0, not stacked in a new dim.
+        return dist.all_gather_into_tensor(output.flatten(0, 1), local, group=group, async_op=True)
+    return dist.all_gather(list(output.unbind(0)), local, group=group, async_op=True)
+
+
+def reduce_scatter_sum(output: torch.Tensor, stacked: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Sum `stacked` (ranks along dim 0) over the group; this rank keeps its own slice."""
+    dist.reduce_scatter_tensor(output, stacked.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)

@@ -1,0 +1,76 @@
+"""cpctl's context-parallel attention: an autograd function over the two strategies.
+
+Inputs are this rank's shards, (batch, heads, local_seq, head_dim), of a self-attention
+whose sequence is split over the CP group as `ChunkLayout` says. The result equals
+single-process SDPA on the full sequence, restricted to this rank's queries.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cpctl.attention import allgather, ring
+from cpctl.attention.sharding import ChunkLayout
+from cpctl.attention.spec import AttentionSpec
+from cpctl.errors import CpctlError
+
+STRATEGIES = {"allgather": allgather, "alltoall": ring}
+
+
+class _ContextParallelAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, spec: AttentionSpec):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = STRATEGIES[spec.strategy].forward(q, k, v, spec)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec = spec
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = STRATEGIES[ctx.spec.strategy].backward(dout.contiguous(), q, k, v, out, lse, ctx.spec)
+        return dq, dk, dv, None
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: ChunkLayout, enable_gqa: bool) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise CpctlError(
+            f"CP attention takes (batch, heads, seq, head_dim) tensors; got q {tuple(q.shape)}, "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise CpctlError(f"CP attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
+    if q.shape[2] != k.shape[2]:
+        raise CpctlError(
+            f"CP attention shards self-attention: q has {q.shape[2]} local tokens but k has {k.shape[2]}; "
+            "cross-attention and KV caches are not sharded, run them outside maybe_context_parallel"
+        )
+    if q.shape[1] != k.shape[1]:
+        if not enable_gqa:
+            raise CpctlError(f"q has {q.shape[1]} heads but k/v {k.shape[1]}; pass enable_gqa=True for GQA/MQA")
+        if q.shape[1] % k.shape[1]:
+            raise CpctlError(f"GQA needs q heads ({q.shape[1]}) to be a multiple of k/v heads ({k.shape[1]})")
+    layout.check_length(q.shape[2] * layout.cp_size, what="sequence length (local x cp_size)")
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    layout: ChunkLayout,
+    strategy: str = "allgather",
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """Attention of this rank's query shard over the whole (sharded) sequence."""
+    if strategy not in STRATEGIES:
+        raise CpctlError(f"cp_comm_strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    check_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    spec = AttentionSpec(group=group, layout=layout, causal=bool(is_causal), scale=scale, strategy=strategy)
+    return _ContextParallelAttention.apply(q, k, v, spec)

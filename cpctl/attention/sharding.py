@@ -1,0 +1,70 @@
+"""How a sequence is cut into chunks and which chunks each CP rank holds.
+
+Without load balancing the sequence is cut into `cp` chunks and rank r holds chunk r. With
+causal attention that leaves rank 0 almost idle and rank cp-1 with most of the work, so
+with load balancing (head-tail sharding) the sequence is cut into `2 * cp` chunks and rank r
+holds chunks r and 2*cp-1-r: every rank then has the same amount of causal work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from cpctl.errors import CpctlError
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    cp_size: int
+    cp_rank: int
+    load_balance: bool
+
+    @property
+    def num_chunks(self) -> int:
+        return 2 * self.cp_size if self.load_balance else self.cp_size
+
+    def chunks_of(self, rank: int) -> tuple[int, ...]:
+        """Global chunk indices held by `rank`, in the order they sit in its local shard."""
+        if self.load_balance:
+            return (rank, 2 * self.cp_size - 1 - rank)
+        return (rank,)
+
+    @property
+    def local_chunks(self) -> tuple[int, ...]:
+        return self.chunks_of(self.cp_rank)
+
+    def rank_order(self) -> list[int]:
+        """Global chunk indices in the order an all-gather over ranks lays them out."""
+        return [chunk for rank in range(self.cp_size) for chunk in self.chunks_of(rank)]
+
+    @property
+    def seq_divisor(self) -> int:
+        return self.num_chunks
+
+    def check_length(self, seq_len: int, *, what: str = "sequence length") -> None:
+        if seq_len % self.num_chunks:
+            reason = f"2 * cp_size ({self.num_chunks}) with cp_load_balance" if self.load_balance else f"cp_size ({self.cp_size})"
+            fit = (seq_len // self.num_chunks + 1) * self.num_chunks
+            raise CpctlError(
+                f"{what} {seq_len} is not divisible by {reason}; pad the sequence to {fit} tokens "
+                f"or choose another cp_size"
+            )
+
+
+def shard(tensor: torch.Tensor, *, seq_dim: int, layout: ChunkLayout) -> torch.Tensor:
+    """This rank's shard of a full-length tensor, as a new tensor."""
+    layout.check_length(tensor.shape[seq_dim])
+    chunks = tensor.chunk(layout.num_chunks, dim=seq_dim)
+    return torch.cat([chunks[i] for i in layout.local_chunks], dim=seq_dim)
+
+
+def unshard(gathered_shards: list[torch.Tensor], *, seq_dim: int, layout: ChunkLayout) -> torch.Tensor:
+    """Reassemble the full sequence, in original token order, from every rank's shard."""
+    pieces: dict[int, torch.Tensor] = {}
+    for rank, piece in enumerate(gathered_shards):
+        ids = layout.chunks_of(rank)
+        for chunk_id, chunk in zip(ids, piece.chunk(len(ids), dim=seq_dim)):
+            pieces[chunk_id] = chunk
+    return torch.cat([pieces[i] for i in range(layout.num_chunks)], dim=seq_dim)
