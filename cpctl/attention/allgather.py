@@ -1,102 +1,102 @@
 """The all-gather strategy: gather every rank's K/V once, overlapped with the local block.
 
-Forward: post the all-gather of this rank's K/V, compute the blocks that need only local K/V
-(the causal diagonal, or the whole local block when non-causal), then attend the local
-queries to the gathered K/V laid out in sequence order (Llama 3 style: each query chunk
-against its whole visible prefix in one call). Backward: gather K/V again rather than keep
-the full sequence's K/V alive between forward and backward (memory per GPU stays flat),
-then reduce-scatter the K/V gradients back to their owners.
+Forward: post the all-gather of this rank's K/V, compute the block that needs only local
+K/V (one causal call: head-tail shards keep global order), then attend the local queries
+to the gathered K/V laid out in sequence order (Llama 3 style: each query chunk against
+its whole visible prefix in one call). Backward: gather K/V again rather than keep the
+whole sequence's K/V alive between forward and backward (memory per GPU stays flat), then
+reduce-scatter the K/V gradients back to their owners.
 """
 
 from __future__ import annotations
 
 import torch
 
-from cpctl.attention.blocks import ForwardAccumulator, backward_blocks, forward_blocks
+from cpctl.attention.blocks import ForwardAccumulator, backward_blocks, forward_blocks, stack_kv, zeros_seq_major
 from cpctl.attention.comm import all_gather_async, reduce_scatter_sum
-from cpctl.attention.plan import Visibility, causal_visibility, plan_blocks
+from cpctl.attention.plan import Visibility, causal_visibility, full_visibility, plan_blocks
+from cpctl.attention.sharding import ChunkLayout
 from cpctl.attention.spec import AttentionSpec
 
 
-def _local_visibility(causal: bool):
-    if causal:
-        return lambda qc, kc: Visibility.DIAGONAL if qc == kc else Visibility.NONE
-    return lambda qc, kc: Visibility.FULL
+def _plans(spec: AttentionSpec):
+    """(local blocks, remote blocks): remote skips the K/V chunks this rank holds itself."""
+    layout = spec.layout
+    local = layout.local_chunks
+    base = causal_visibility if spec.causal else full_visibility
 
+    def remote(q_chunk: int, kv_chunk: int) -> Visibility:
+        return Visibility.NONE if kv_chunk in local else base(q_chunk, kv_chunk)
 
-def _remote_visibility(causal: bool, local: tuple[int, ...]):
-    if causal:
-        return lambda qc, kc: Visibility.NONE if qc == kc else causal_visibility(qc, kc)
-    return lambda qc, kc: Visibility.NONE if kc in local else Visibility.FULL
+    return plan_blocks(local, local, base), plan_blocks(local, range(layout.num_chunks), remote)
 
 
 def _post_gather(k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec):
-    kv = torch.stack([k, v])
+    kv = stack_kv(k, v).transpose(2, 3)  # the dense (2, B, L, H, D) memory
     gathered = kv.new_empty((spec.layout.cp_size, *kv.shape))
     return gathered, all_gather_async(gathered, kv, spec.group)
 
 
-def _sequence_order(gathered: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """(cp, 2, B, H, L, D) in rank order -> (2, B, H, S, D) in sequence order."""
-    layout = spec.layout
-    per_rank = len(layout.local_chunks)
-    cp, two, b, h, local_len, d = gathered.shape
-    c = local_len // per_rank
-    ordered = gathered.new_empty(two, b, h, layout.num_chunks * c, d)
-    for rank in range(cp):
-        for pos, chunk in enumerate(layout.chunks_of(rank)):
-            ordered[:, :, :, chunk * c:(chunk + 1) * c].copy_(gathered[rank, :, :, :, pos * c:(pos + 1) * c])
-    return ordered
-
-
-def _rank_order(ordered: torch.Tensor, spec: AttentionSpec) -> torch.Tensor:
-    """Inverse of _sequence_order: (2, B, H, S, D) -> (cp, 2, B, H, L, D)."""
-    layout = spec.layout
-    per_rank = len(layout.local_chunks)
-    two, b, h, s, d = ordered.shape
-    c = s // layout.num_chunks
-    stacked = ordered.new_empty(layout.cp_size, two, b, h, per_rank * c, d)
+def _chunk_moves(layout: ChunkLayout, chunk_len: int):
+    """(rank, rows in that rank's shard, rows in the full sequence) for every chunk."""
     for rank in range(layout.cp_size):
         for pos, chunk in enumerate(layout.chunks_of(rank)):
-            stacked[rank, :, :, :, pos * c:(pos + 1) * c].copy_(ordered[:, :, :, chunk * c:(chunk + 1) * c])
+            yield rank, slice(pos * chunk_len, (pos + 1) * chunk_len), slice(chunk * chunk_len, (chunk + 1) * chunk_len)
+
+
+def _sequence_order(gathered: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
+    """(cp, 2, B, L, H, D) in rank order -> seq-major (2, B, H, S, D) in sequence order."""
+    cp, two, b, local_len, h, d = gathered.shape
+    chunk_len = local_len // len(layout.local_chunks)
+    ordered = gathered.new_empty(two, b, layout.num_chunks * chunk_len, h, d)
+    for rank, shard_rows, seq_rows in _chunk_moves(layout, chunk_len):
+        ordered[:, :, seq_rows].copy_(gathered[rank, :, :, shard_rows])
+    return ordered.transpose(2, 3)
+
+
+def _rank_order(ordered: torch.Tensor, layout: ChunkLayout, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of _sequence_order, into `dtype`: (2, B, H, S, D) -> (cp, 2, B, L, H, D)."""
+    by_seq = ordered.transpose(2, 3)
+    two, b, s, h, d = by_seq.shape
+    chunk_len = s // layout.num_chunks
+    stacked = torch.empty(layout.cp_size, two, b, chunk_len * len(layout.local_chunks), h, d,
+                          dtype=dtype, device=ordered.device)
+    for rank, shard_rows, seq_rows in _chunk_moves(layout, chunk_len):
+        stacked[rank, :, :, shard_rows].copy_(by_seq[:, :, seq_rows])
     return stacked
 
 
 def forward(q, k, v, spec: AttentionSpec):
-    layout = spec.layout
-    local = layout.local_chunks
-    chunk_len = q.shape[2] // len(local)
+    chunk_len = q.shape[2] // len(spec.layout.local_chunks)
+    local_blocks, remote_blocks = _plans(spec)
     gathered, request = _post_gather(k, v, spec)
-    acc = ForwardAccumulator(q, chunk_len=chunk_len, num_chunks=len(local))
-    forward_blocks(acc, plan_blocks(local, local, _local_visibility(spec.causal)), q, k, v, scale=spec.scale)
+    acc = ForwardAccumulator(q, chunk_len=chunk_len, num_chunks=len(spec.layout.local_chunks))
+    forward_blocks(acc, local_blocks, q, k, v, scale=spec.scale)
     request.wait()
-    kv_all = _sequence_order(gathered, spec)
+    kv_all = _sequence_order(gathered, spec.layout)
     del gathered
-    remote = plan_blocks(local, range(layout.num_chunks), _remote_visibility(spec.causal, local))
-    forward_blocks(acc, remote, q, kv_all[0], kv_all[1], scale=spec.scale)
-    return acc.out.to(q.dtype), acc.lse
+    forward_blocks(acc, remote_blocks, q, kv_all[0], kv_all[1], scale=spec.scale)
+    return acc.result(q.dtype)
 
 
 def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
-    layout = spec.layout
-    local = layout.local_chunks
-    chunk_len = q.shape[2] // len(local)
+    chunk_len = q.shape[2] // len(spec.layout.local_chunks)
+    local_blocks, remote_blocks = _plans(spec)
     gathered, request = _post_gather(k, v, spec)
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    dk_local = torch.zeros_like(k, dtype=torch.float32)
-    dv_local = torch.zeros_like(v, dtype=torch.float32)
-    saved = dict(dout=dout, q=q, out=out, lse=lse, dq=dq, chunk_len=chunk_len, scale=spec.scale)
-    backward_blocks(plan_blocks(local, local, _local_visibility(spec.causal)), k=k, v=v,
-                    dk=dk_local, dv=dv_local, **saved)
+    dq = zeros_seq_major(q.shape, like=q)
+    dkv_local = zeros_seq_major((2, *k.shape), like=k)
+    rows = dict(dout=dout, q=q, out=out, lse=lse, dq=dq, chunk_len=chunk_len, scale=spec.scale)
+    backward_blocks(local_blocks, k=k, v=v, dk=dkv_local[0], dv=dkv_local[1], **rows)
     request.wait()
-    kv_all = _sequence_order(gathered, spec)
+    kv_all = _sequence_order(gathered, spec.layout)
     del gathered
-    dkv_all = torch.zeros(kv_all.shape, dtype=torch.float32, device=kv_all.device)
-    remote = plan_blocks(local, range(layout.num_chunks), _remote_visibility(spec.causal, local))
-    backward_blocks(remote, k=kv_all[0], v=kv_all[1], dk=dkv_all[0], dv=dkv_all[1], **saved)
+    dkv_all = zeros_seq_major(kv_all.shape, like=kv_all)
+    backward_blocks(remote_blocks, k=kv_all[0], v=kv_all[1], dk=dkv_all[0], dv=dkv_all[1], **rows)
     del kv_all
-    dkv_mine = torch.empty((2, *k.shape), dtype=torch.float32, device=k.device)
-    reduce_scatter_sum(dkv_mine, _rank_order(dkv_all, spec), spec.group)
-    dk_local += dkv_mine[0]
-    dv_local += dkv_mine[1]
-    return dq.to(q.dtype), dk_local.to(k.dtype), dv_local.to(v.dtype)
+    # Sent in the input dtype: each rank's share is already an fp32 sum over its blocks.
+    stacked = _rank_order(dkv_all, spec.layout, k.dtype)
+    del dkv_all
+    dkv_remote = torch.empty(stacked.shape[1:], dtype=k.dtype, device=k.device)
+    reduce_scatter_sum(dkv_remote, stacked, spec.group)
+    dkv_local += dkv_remote.transpose(2, 3)
+    return dq.to(q.dtype), dkv_local[0].to(k.dtype), dkv_local[1].to(v.dtype)

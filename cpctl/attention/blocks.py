@@ -1,10 +1,14 @@
-"""Running a plan of blocks: forward with exact log-sum-exp merging, backward into gradient buffers."""
+"""Running a plan of blocks: forward with exact log-sum-exp merging, backward into gradient buffers.
+
+All (B, H, S, D) tensors here are seq-major views (see `kernels.seq_major`), so a block's
+rows are a dense slice that the kernels read in place.
+"""
 
 from __future__ import annotations
 
 import torch
 
-from cpctl.attention.kernels import block_backward, block_forward
+from cpctl.attention.kernels import block_backward, block_forward, seq_major_empty
 from cpctl.attention.plan import Block
 
 
@@ -12,31 +16,39 @@ class ForwardAccumulator:
     """Partial attention results of one rank's queries, merged exactly with their LSE.
 
     Merging in fp32: new_lse = logaddexp(lse, lse_b); out = out * e^(lse - new) + out_b * e^(lse_b - new).
-    `logaddexp` is stable where the naive log(1 + exp(.)) overflows. A chunk's first block is
-    copied, not merged.
+    `logaddexp` is stable where the naive log(1 + exp(.)) overflows. A row's first block
+    is copied, not merged.
     """
 
     def __init__(self, q: torch.Tensor, *, chunk_len: int, num_chunks: int):
         b, h, s, d = q.shape
-        self.out = torch.empty(b, h, s, d, dtype=torch.float32, device=q.device)
-        self.lse = torch.full((b, h, s), float("-inf"), dtype=torch.float32, device=q.device)
+        self.out = seq_major_empty(b, h, s, d, like=q, dtype=torch.float32)
+        self.lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
         self.chunk_len = chunk_len
         self.written = [False] * num_chunks
 
     def add(self, block: Block, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
         rows = slice(block.q_start * self.chunk_len, block.q_stop * self.chunk_len)
         chunks = range(block.q_start, block.q_stop)
-        if not any(self.written[c] for c in chunks):
+        fresh = [not self.written[c] for c in chunks]
+        if all(fresh):
             self.out[:, :, rows].copy_(out_b)
             self.lse[:, :, rows].copy_(lse_b)
+        elif any(fresh):  # plans never mix fresh and written rows in one block
+            raise AssertionError(f"block {block} covers both merged and unwritten rows")
         else:
             out, lse = self.out[:, :, rows], self.lse[:, :, rows]
             new_lse = torch.logaddexp(lse, lse_b)
             out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))
-            out.add_(out_b.float() * torch.exp(lse_b - new_lse).unsqueeze(-1))
+            out.add_(out_b * torch.exp(lse_b - new_lse).unsqueeze(-1))
             lse.copy_(new_lse)
         for c in chunks:
             self.written[c] = True
+
+    def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if not all(self.written):
+            raise AssertionError("CP attention plan left query rows uncomputed")
+        return self.out.to(dtype), self.lse
 
 
 def forward_blocks(acc: ForwardAccumulator, blocks: list[Block], q, k, v, *, scale: float) -> None:
@@ -61,8 +73,23 @@ def backward_blocks(
         kv_rows = slice(blk.kv_start * c, blk.kv_stop * c)
         dq_b, dk_b, dv_b = block_backward(
             dout[:, :, rows], q[:, :, rows], k[:, :, kv_rows], v[:, :, kv_rows], out[:, :, rows],
-            lse[:, :, rows], causal=blk.causal, scale=scale,
+            lse[:, :, rows].contiguous(), causal=blk.causal, scale=scale,
         )
         dq[:, :, rows] += dq_b
         dk[:, :, kv_rows] += dk_b
         dv[:, :, kv_rows] += dv_b
+
+
+def stack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """K and V in one seq-major buffer, (2, B, H, L, D), so one transfer moves both."""
+    b, h, s, d = k.shape
+    kv = torch.empty(2, b, s, h, d, dtype=k.dtype, device=k.device)
+    kv[0].copy_(k.transpose(1, 2))
+    kv[1].copy_(v.transpose(1, 2))
+    return kv.transpose(2, 3)
+
+
+def zeros_seq_major(shape, *, like: torch.Tensor) -> torch.Tensor:
+    """fp32 zeros of (..., B, H, S, D) shape, seq-major."""
+    *lead, b, h, s, d = shape
+    return torch.zeros(*lead, b, s, h, d, dtype=torch.float32, device=like.device).transpose(-3, -2)

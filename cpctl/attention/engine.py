@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from cpctl.attention import allgather, ring
+from cpctl.attention.kernels import seq_major
 from cpctl.attention.sharding import ChunkLayout
 from cpctl.attention.spec import AttentionSpec
 from cpctl.errors import CpctlError
@@ -21,7 +22,7 @@ STRATEGIES = {"allgather": allgather, "alltoall": ring}
 class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, spec: AttentionSpec):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        q, k, v = seq_major(q), seq_major(k), seq_major(v)
         out, lse = STRATEGIES[spec.strategy].forward(q, k, v, spec)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.spec = spec
@@ -30,7 +31,7 @@ class _ContextParallelAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = STRATEGIES[ctx.spec.strategy].backward(dout.contiguous(), q, k, v, out, lse, ctx.spec)
+        dq, dk, dv = STRATEGIES[ctx.spec.strategy].backward(seq_major(dout), q, k, v, out, lse, ctx.spec)
         return dq, dk, dv, None
 
 

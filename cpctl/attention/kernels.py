@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.attention
 
 aten = torch.ops.aten
 
@@ -42,56 +43,57 @@ def _cpu_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
     )
 
 
-# ----------------------------------------------------------------------------- CUDA cuDNN
+# ----------------------------------------------------------------------------- CUDA kernels
 
-_EMPTY = torch.empty(0)
+# Each CUDA backward takes auxiliary outputs of its forward (RNG state, varlen offsets) that
+# are placeholders without dropout or nesting; keep the first ones each forward returned.
+_aux: dict[tuple[str, int | None], tuple] = {}
 
 
 def _cudnn_forward(q, k, v, *, causal: bool, scale: float):
-    out, lse, *_ = aten._scaled_dot_product_cudnn_attention(
+    out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
         q, k, v, None, True, 0.0, causal, False, scale=scale
     )
-    return out, lse.view(lse.shape[0], lse.shape[1], lse.shape[2])
+    _aux.setdefault(("cudnn", q.device.index), (seed, offset, cum_q, cum_k))
+    return out, lse.view(lse.shape[0], lse.shape[1], lse.shape[2])  # cuDNN's LSE is (B, H, S, 1)
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
-    seed = offset = _EMPTY.to(q.device)
+    seed, offset, cum_q, cum_k = _aux[("cudnn", q.device.index)]
     return aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, _EMPTY.to(q.device),
-        _EMPTY.to(q.device), _EMPTY.to(q.device), q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+        dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, cum_q, cum_k,
+        q.shape[2], k.shape[2], 0.0, causal, scale=scale,
     )
 
 
-# ----------------------------------------------------------------------------- CUDA flash
-
-
 def _flash_forward(q, k, v, *, causal: bool, scale: float):
-    out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
+        q, k, v, 0.0, causal, False, scale=scale
+    )
+    _aux.setdefault(("flash", q.device.index), (seed, offset, cum_q, cum_k))
     return out, lse
 
 
 def _flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
-    empty = _EMPTY.to(q.device)
+    seed, offset, cum_q, cum_k = _aux[("flash", q.device.index)]
     return aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2], 0.0, causal, empty, empty,
+        dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
         scale=scale,
     )
 
 
-# ----------------------------------------------------------------------------- CUDA efficient
-
-
 def _efficient_forward(q, k, v, *, causal: bool, scale: float):
-    out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    _aux.setdefault(("efficient", q.device.index), (seed, offset))
     return out, lse[:, :, : q.shape[2]]  # the kernel pads LSE's seq dim to a multiple of 32
 
 
 def _efficient_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
-    empty = _EMPTY.to(q.device)
+    seed, offset = _aux[("efficient", q.device.index)]
     padded = (q.shape[2] + 31) // 32 * 32
     lse_padded = torch.nn.functional.pad(lse, (0, padded - lse.shape[2]))
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, empty, out, lse_padded, empty, empty, 0.0, [True, True, True, False], causal,
+        dout, q, k, v, None, out, lse_padded, seed, offset, 0.0, [True, True, True, False], causal,
         scale=scale,
     )
     return dq, dk, dv
@@ -128,31 +130,73 @@ def kernel_for(q: torch.Tensor) -> Kernel:
 
 @functools.lru_cache(maxsize=None)
 def _probe(dtype: torch.dtype, head_dim: int, device_index: int | None) -> Kernel:
-    """The first CUDA kernel that runs forward and backward on a tiny block of this kind."""
+    """The first CUDA kernel whose forward and backward match autograd SDPA on a small block.
+
+    Checking the gradients, not only that the call runs, guards against private-op
+    signatures that shift between torch releases.
+    """
     names = (_forced,) if _forced else CUDA_PREFERENCE
-    device = torch.device("cuda", device_index)
     failures = []
     for name in names:
-        kernel = KERNELS[name]
-        try:
-            q = torch.randn(1, 2, 128, head_dim, device=device, dtype=dtype)
-            out, lse = kernel.forward(q, q, q, causal=True, scale=head_dim**-0.5)
-            kernel.backward(torch.ones_like(out), q, q, q, out, lse, causal=True, scale=head_dim**-0.5)
-            return kernel
-        except RuntimeError as exc:  # kernel not built for this dtype/arch/head dim
-            failures.append(f"{name}: {str(exc).splitlines()[0]}")
-    raise RuntimeError("no fused attention kernel runs here: " + "; ".join(failures))
+        problem = verify(KERNELS[name], device=torch.device("cuda", device_index), dtype=dtype, head_dim=head_dim)
+        if problem is None:
+            return KERNELS[name]
+        failures.append(f"{name}: {problem}")
+    raise RuntimeError("no fused attention kernel works here: " + "; ".join(failures))
+
+
+def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """None if `kernel` gives SDPA's output and gradients on a small causal block, else why not."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    # Seq-major views at an offset into a larger buffer: the layout the engine hands kernels.
+    q, k, v, dout = (
+        torch.randn(2, 320, 2, head_dim, device=device, dtype=dtype, generator=gen)[1:, 64:].transpose(1, 2)
+        for _ in range(4)
+    )
+    with torch.enable_grad():  # may run inside an autograd Function's forward
+        ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
+        ref = torch.nn.functional.scaled_dot_product_attention(*ref_inputs, is_causal=True)
+        ref.backward(dout.double())
+    expected = [ref.detach(), *(t.grad for t in ref_inputs)]
+    try:
+        with torch.no_grad():
+            out, lse = kernel.forward(q, k, v, causal=True, scale=head_dim**-0.5)
+            grads = kernel.backward(dout, q, k, v, out, lse.float().contiguous(), causal=True, scale=head_dim**-0.5)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # surface asynchronous kernel errors here
+    except (RuntimeError, IndexError, TypeError) as exc:  # not built for this dtype/arch/head dim
+        return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    error = max((got.double() - want).abs().max().item() for got, want in zip([out, *grads], expected))
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    return None if error <= tolerance else f"wrong results (max error {error:.3g})"
+
+
+def seq_major(t: torch.Tensor) -> torch.Tensor:
+    """`t` (B, H, S, D) backed by (B, S, H, D) memory, as projections produce it.
+
+    Then every slice along the sequence is one dense stretch of memory that the kernels
+    read in place, and no block needs a copy.
+    """
+    if t.transpose(1, 2).is_contiguous():
+        return t
+    return t.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def seq_major_empty(b: int, h: int, s: int, d: int, *, like: torch.Tensor, dtype=None) -> torch.Tensor:
+    return torch.empty(b, s, h, d, dtype=dtype or like.dtype, device=like.device).transpose(1, 2)
 
 
 def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
-    return t if groups == 1 else t.repeat_interleave(groups, dim=1)
+    if groups == 1:
+        return t
+    return t.transpose(1, 2).repeat_interleave(groups, dim=2).transpose(1, 2)
 
 
 def _fold_kv_grad(grad: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return grad
-    b, h, s, d = grad.shape
-    return grad.view(b, h // groups, groups, s, d).sum(dim=2)
+    by_seq = grad.transpose(1, 2)  # (B, S, Hq, D)
+    return by_seq.unflatten(2, (by_seq.shape[2] // groups, groups)).sum(dim=3).transpose(1, 2)
 
 
 def block_forward(q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,7 +215,7 @@ def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
     groups = q.shape[1] // k.shape[1]
     if not kernel.native_gqa:
         k, v = _expand_kv(k, groups), _expand_kv(v, groups)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, causal=causal, scale=scale)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse.contiguous(), causal=causal, scale=scale)
     if not kernel.native_gqa:
         dk, dv = _fold_kv_grad(dk, groups), _fold_kv_grad(dv, groups)
     return dq, dk, dv

@@ -45,26 +45,61 @@ def plan_blocks(
     kv_chunks: Sequence[int],
     visibility: Callable[[int, int], Visibility],
 ) -> list[Block]:
-    """Blocks covering every visible pair once; positions index the local q and kv buffers."""
+    """Blocks covering every visible pair once; positions index the local q and kv buffers.
+
+    A run of positions where q and kv hold the same ascending chunks and every pair is
+    causal (earlier chunks full, own chunk diagonal, later chunks hidden) is one causal
+    block over the run: head-tail shards keep global order locally, so a rank's own K/V
+    is one causal call. The remaining fully visible pairs are grouped into runs.
+    """
+    seen = [[visibility(qc, kc) for kc in kv_chunks] for qc in q_chunks]
     blocks: list[Block] = []
+    for start, stop in _causal_squares(q_chunks, kv_chunks, seen):
+        blocks.append(Block(start, stop, start, stop, causal=True))
+        for i in range(start, stop):
+            for j in range(start, stop):
+                seen[i][j] = Visibility.NONE
     full_runs: list[tuple[int, int, int]] = []  # (q position, kv run start, kv run stop)
-    for qi, q_chunk in enumerate(q_chunks):
+    for qi, row in enumerate(seen):
         run_start = None
-        for kj, kv_chunk in enumerate(list(kv_chunks) + [None]):
-            seen = visibility(q_chunk, kv_chunk) if kv_chunk is not None else Visibility.NONE
-            if seen is Visibility.DIAGONAL:
-                blocks.append(Block(qi, qi + 1, kj, kj + 1, causal=True))
-            if seen is Visibility.FULL and run_start is None:
+        for kj, vis in enumerate([*row, Visibility.NONE]):
+            if vis is Visibility.DIAGONAL:
+                raise ValueError(f"diagonal pair ({q_chunks[qi]}, {kv_chunks[kj]}) outside a causal square")
+            if vis is Visibility.FULL and run_start is None:
                 run_start = kj
-            elif seen is not Visibility.FULL and run_start is not None:
+            elif vis is not Visibility.FULL and run_start is not None:
                 full_runs.append((qi, run_start, kj))
                 run_start = None
     # Merge neighbouring query chunks that see the same K/V run into one block.
+    merged: list[Block] = []
     for qi, start, stop in full_runs:
-        last = blocks[-1] if blocks else None
-        if (last is not None and not last.causal and last.q_stop == qi
-                and (last.kv_start, last.kv_stop) == (start, stop)):
-            blocks[-1] = Block(last.q_start, qi + 1, start, stop, causal=False)
+        last = merged[-1] if merged else None
+        if last is not None and last.q_stop == qi and (last.kv_start, last.kv_stop) == (start, stop):
+            merged[-1] = Block(last.q_start, qi + 1, start, stop, causal=False)
         else:
-            blocks.append(Block(qi, qi + 1, start, stop, causal=False))
-    return blocks
+            merged.append(Block(qi, qi + 1, start, stop, causal=False))
+    return blocks + merged
+
+
+def _is_causal_square(seen, start: int, stop: int) -> bool:
+    expected = {True: Visibility.FULL, False: Visibility.NONE}
+    return all(
+        seen[i][j] is (Visibility.DIAGONAL if i == j else expected[j < i])
+        for i in range(start, stop) for j in range(start, stop)
+    )
+
+
+def _causal_squares(q_chunks, kv_chunks, seen) -> list[tuple[int, int]]:
+    """Maximal runs [start, stop) of diagonal positions that form one causal block."""
+    squares: list[tuple[int, int]] = []
+    i, n = 0, min(len(q_chunks), len(kv_chunks))
+    while i < len(q_chunks):
+        if i < n and seen[i][i] is Visibility.DIAGONAL:
+            stop = i + 1
+            while stop < n and seen[stop][stop] is Visibility.DIAGONAL and _is_causal_square(seen, i, stop + 1):
+                stop += 1
+            squares.append((i, stop))
+            i = stop
+        else:
+            i += 1
+    return squares

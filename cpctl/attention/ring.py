@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from cpctl.attention.blocks import ForwardAccumulator, backward_blocks, forward_blocks
+from cpctl.attention.blocks import ForwardAccumulator, backward_blocks, forward_blocks, stack_kv, zeros_seq_major
 from cpctl.attention.comm import Ring, wait_all
 from cpctl.attention.plan import causal_visibility, full_visibility, plan_blocks
 from cpctl.attention.spec import AttentionSpec
@@ -22,42 +22,52 @@ def _plan(spec: AttentionSpec, source_rank: int):
     return plan_blocks(spec.layout.local_chunks, spec.layout.chunks_of(source_rank), visibility)
 
 
+def _shift(ring: Ring, buffer: torch.Tensor):
+    """Post the rotation of a seq-major (2, B, H, L, D) buffer; returns (incoming, requests)."""
+    dense = buffer.transpose(2, 3)
+    incoming = torch.empty_like(dense)
+    return incoming.transpose(2, 3), ring.shift(dense, incoming)
+
+
 def forward(q, k, v, spec: AttentionSpec):
     ring = Ring.of(spec.group)
     chunk_len = q.shape[2] // len(spec.layout.local_chunks)
     acc = ForwardAccumulator(q, chunk_len=chunk_len, num_chunks=len(spec.layout.local_chunks))
-    kv = torch.stack([k, v])
+    kv = stack_kv(k, v)
     for step in range(ring.size):
-        incoming, requests = None, []
-        if step < ring.size - 1:
-            incoming = torch.empty_like(kv)
-            requests = ring.shift(kv, incoming)
+        incoming, requests = _shift(ring, kv) if step < ring.size - 1 else (kv, [])
         forward_blocks(acc, _plan(spec, (ring.rank - step) % ring.size), q, kv[0], kv[1], scale=spec.scale)
         wait_all(requests)
-        kv = incoming if incoming is not None else kv
-    return acc.out.to(q.dtype), acc.lse
+        kv = incoming
+    return acc.result(q.dtype)
 
 
 def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
     ring = Ring.of(spec.group)
     chunk_len = q.shape[2] // len(spec.layout.local_chunks)
-    dq = torch.zeros_like(q, dtype=torch.float32)
-    kv = torch.stack([k, v])
-    dkv_requests, dkv_incoming, dkv_in_flight = [], None, None
+    dq = zeros_seq_major(q.shape, like=q)
+    kv = stack_kv(k, v)
+    dkv_home = None  # this rank's own block's gradient, summed by every other rank
+    sum_incoming, sum_requests = None, []
     for step in range(ring.size):
-        kv_next, kv_requests = None, []
-        if step < ring.size - 1:
-            kv_next = torch.empty_like(kv)
-            kv_requests = ring.shift(kv, kv_next)
-        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
+        kv_next, kv_requests = _shift(ring, kv) if step < ring.size - 1 else (kv, [])
+        dkv = zeros_seq_major(kv.shape, like=kv)
         backward_blocks(_plan(spec, (ring.rank - step) % ring.size), dout=dout, q=q, k=kv[0], v=kv[1],
                         out=out, lse=lse, dq=dq, dk=dkv[0], dv=dkv[1], chunk_len=chunk_len, scale=spec.scale)
-        wait_all(dkv_requests)  # the sum so far for this same block, from the previous rank
-        if dkv_incoming is not None:
-            dkv += dkv_incoming
-        dkv_incoming, dkv_in_flight = torch.empty_like(dkv), dkv  # keep the sent buffer alive
-        dkv_requests = ring.shift(dkv_in_flight, dkv_incoming)
+        if step == 0:
+            dkv_home = dkv  # the own block's share stays here; the others' shares travel
+        else:
+            wait_all(sum_requests)  # the sum so far for this same block, from the previous rank
+            if sum_incoming is not None:
+                dkv += sum_incoming
+            if step == ring.size - 1:  # the last hop is not hidden behind compute: send it narrow
+                dkv = dkv.to(k.dtype)
+            sum_incoming, sum_requests = _shift(ring, dkv)
+            sending = dkv  # keep the buffer alive until its send completes
         wait_all(kv_requests)
-        kv = kv_next if kv_next is not None else kv
-    wait_all(dkv_requests)  # the last hop: this rank's own block, summed over every rank
-    return dq.to(q.dtype), dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype)
+        kv = kv_next
+    if ring.size > 1:
+        wait_all(sum_requests)  # the last hop: this rank's own block, summed over the others
+        dkv_home += sum_incoming
+        del sending
+    return dq.to(q.dtype), dkv_home[0].to(k.dtype), dkv_home[1].to(v.dtype)
