@@ -277,7 +277,15 @@ def load_file(path: str | Path) -> dict[str, Any]:
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
         problem = getattr(exc, "problem", None) or "not valid YAML"
         raise CpctlError(f"{path}: broken YAML{where}: {problem}; fix the file or regenerate it with `cpctl config`") from None
-    return _check_layer(tree, str(path))
+    return _check_layer(_unquoted_no(tree), str(path))
+
+
+def _unquoted_no(tree: Any) -> Any:
+    """YAML 1.1 reads a bare `no` as false; `mixed_precision: no` means the string "no"."""
+    fsdp = tree.get("fsdp") if isinstance(tree, Mapping) else None
+    if isinstance(fsdp, Mapping) and fsdp.get("mixed_precision") is False:
+        return {**tree, "fsdp": {**fsdp, "mixed_precision": "no"}}
+    return tree
 
 
 def text_layer(values: Mapping[str, str], *, source_of: Callable[[FieldSpec], str]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -394,6 +402,29 @@ def resolve(
     """Resolve a profile: flags > CPCTL_* env > SLURM > --config/--profile > ./cpctl.yaml
     > user default > built-in defaults; then fill `auto` and check the whole."""
     environ = os.environ if environ is None else environ
+    merged, sources, files = merge_layers(flags=flags, config=config, profile_name=profile_name,
+                                          environ=environ, cwd=cwd)
+    machine = machine if machine is not None else detect_machine(environ)
+    profile, auto_sources = _fill_auto(_build(_unflatten(merged)), machine=machine, sources=sources)
+    sources.update(auto_sources)
+    validate(profile, machine=machine)
+    return Resolved(profile=profile, sources=sources, files=files)
+
+
+def merge_layers(
+    *,
+    flags: Mapping[str, Any] | None = None,
+    config: str | Path | None = None,
+    profile_name: str | None = None,
+    environ: Mapping[str, str] | None = None,
+    cwd: str | Path | None = None,
+) -> tuple[dict[str, Any], dict[str, str], tuple[Path, ...]]:
+    """The layers overlaid, before `auto` is filled: (key path -> value, key path -> source, files).
+
+    `resolve` is this plus the machine; `cpctl check --static` reads what a profile asks of
+    its machine from here (a cuda profile's nproc_per_node) to validate it away from that machine.
+    """
+    environ = os.environ if environ is None else environ
     cwd = Path.cwd() if cwd is None else Path(cwd)
     if config is not None and profile_name is not None:
         raise CpctlError("--config and --profile both given; pass one of them")
@@ -412,7 +443,7 @@ def resolve(
     if (cwd / LOCAL_PROFILE).is_file():
         add_file(cwd / LOCAL_PROFILE, f"./{LOCAL_PROFILE}")
     if config is not None:
-        add_file(Path(config), f"--config {config}")
+        add_file(cwd / Path(config).expanduser(), f"--config {config}")  # an absolute path stays as is
     if profile_name is not None:
         found = find_profile(profile_name, cwd=cwd, environ=environ)
         add_file(found, f"--profile {profile_name} ({found})")
@@ -428,11 +459,7 @@ def resolve(
         flat = {p: v for p, v in _flatten(tree).items() if p in FIELDS}
         merged.update(flat)
         sources.update({p: layer_sources.get(p, "?") for p in flat})
-    machine = machine if machine is not None else detect_machine(environ)
-    profile, auto_sources = _fill_auto(_build(_unflatten(merged)), machine=machine, sources=sources)
-    sources.update(auto_sources)
-    validate(profile, machine=machine)
-    return Resolved(profile=profile, sources=sources, files=tuple(files))
+    return merged, sources, tuple(files)
 
 
 def _build(tree: Mapping[str, Any]) -> Profile:
@@ -508,6 +535,8 @@ def validate(profile: Profile, *, machine: Machine | None = None) -> None:
         raise CpctlError(f"launch.node_rank: {launch.node_rank} must be below nnodes ({launch.nnodes})")
     if launch.nnodes > 1 and launch.rdzv_endpoint is None:
         raise CpctlError(f"launch.nnodes: {launch.nnodes} machines need a rendezvous; pass --rdzv-endpoint HOST:PORT (the node-rank-0 host)")
+    if machine is not None and launch.device == "cuda" and machine.cuda_devices == 0:
+        raise CpctlError("launch.device is cuda but no GPU is visible; use --device cpu or check CUDA_VISIBLE_DEVICES")
     if machine is not None and launch.device == "cuda" and launch.nproc_per_node > machine.cuda_devices:  # type: ignore[operator]
         raise CpctlError(
             f"launch.nproc_per_node: {launch.nproc_per_node} workers but {machine.cuda_devices} GPUs visible; "

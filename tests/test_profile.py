@@ -1,0 +1,303 @@
+"""Profile resolution and validation, in plain Python (milliseconds, no torch).
+
+Every test passes `environ`, `cwd` and `machine` explicitly, so nothing here depends on the
+box it runs on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cpctl import profile as P
+from cpctl.errors import CpctlError
+
+CPU = P.Machine(cuda_devices=0)
+
+
+def write(path: Path, tree: dict | str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(tree if isinstance(tree, str) else yaml.safe_dump(tree), encoding="utf-8")
+    return path
+
+
+def resolve(tmp_path: Path, *, environ: dict | None = None, machine: P.Machine = CPU, **kwargs) -> P.Resolved:
+    environ = {"XDG_CONFIG_HOME": str(tmp_path / "xdg")} | (environ or {})
+    return P.resolve(environ=environ, cwd=tmp_path, machine=machine, **kwargs)
+
+
+def source_of(resolved: P.Resolved, path: str) -> str:
+    return {key: source for key, _, source in resolved.rows()}[path]
+
+
+def error_of(tmp_path: Path, **kwargs) -> str:
+    with pytest.raises(CpctlError) as caught:
+        resolve(tmp_path, **kwargs)
+    message = str(caught.value)
+    assert "\n" not in message
+    return message
+
+
+# ----------------------------------------------------------------------------- defaults and auto
+
+
+def test_defaults_on_a_cpu_machine(tmp_path: Path) -> None:
+    resolved = resolve(tmp_path)
+    profile = resolved.profile
+    assert (profile.launch.device, profile.launch.nproc_per_node) == ("cpu", 2)
+    assert profile.parallelism.dp_shard_size == 2  # auto: world 2 / (1 * 1 * 1)
+    assert profile.fsdp.mixed_precision == "no"
+    assert source_of(resolved, "parallelism.cp_size") == "default"
+    assert resolved.sources["launch.device"].startswith("auto")
+    assert resolved.sources["parallelism.dp_shard_size"] == "auto (world 2 / 1)"
+
+
+def test_auto_on_a_gpu_machine(tmp_path: Path) -> None:
+    profile = resolve(tmp_path, machine=P.Machine(cuda_devices=8), flags={"parallelism.cp_size": "4"}).profile
+    assert (profile.launch.device, profile.launch.nproc_per_node) == ("cuda", 8)
+    assert profile.parallelism.dp_shard_size == 2
+    assert profile.fsdp.mixed_precision == "bf16"
+
+
+def test_dp_shard_auto_fills_the_world(tmp_path: Path) -> None:
+    flags = {"launch.nproc_per_node": "8", "parallelism.cp_size": "2", "parallelism.tp_size": "2"}
+    resolved = resolve(tmp_path, flags=flags)
+    assert resolved.profile.parallelism.dp_shard_size == 2
+    assert resolved.sources["parallelism.dp_shard_size"] == "auto (world 8 / 4)"
+
+
+def test_dp_shard_auto_that_cannot_divide(tmp_path: Path) -> None:
+    message = error_of(tmp_path, flags={"launch.nproc_per_node": "8", "parallelism.cp_size": "3"})
+    assert "world size 8" in message and "dp_replicate(1) * cp(3) * tp(1) = 3" in message
+
+
+# ----------------------------------------------------------------------------- resolution order
+
+# Every layer sets launch.max_restarts to its own number; the highest layer present must win
+# and be named as the source.
+LAYERS = ("user default", "./cpctl.yaml", "--config", "env", "flag")
+
+
+def _layered(tmp_path: Path, top: str) -> tuple[dict, dict, str | None]:
+    environ: dict[str, str] = {}
+    flags: dict[str, str] = {}
+    config = None
+    for value, layer in enumerate(LAYERS[: LAYERS.index(top) + 1], start=1):
+        tree = {"launch": {"max_restarts": value}}
+        if layer == "user default":
+            write(tmp_path / "xdg" / "cpctl" / "default.yaml", tree)
+        elif layer == "./cpctl.yaml":
+            write(tmp_path / "cpctl.yaml", tree)
+        elif layer == "--config":
+            config = str(write(tmp_path / "mine.yaml", tree))
+        elif layer == "env":
+            environ["CPCTL_MAX_RESTARTS"] = str(value)
+        else:
+            flags["launch.max_restarts"] = str(value)
+    return environ, flags, config
+
+
+@pytest.mark.parametrize("top", LAYERS)
+def test_each_layer_beats_the_ones_below(tmp_path: Path, top: str) -> None:
+    environ, flags, config = _layered(tmp_path, top)
+    resolved = resolve(tmp_path, environ=environ, flags=flags, config=config)
+    assert resolved.profile.launch.max_restarts == LAYERS.index(top) + 1
+    source = resolved.sources["launch.max_restarts"]
+    expected = {
+        "user default": f"user default {tmp_path / 'xdg' / 'cpctl' / 'default.yaml'}",
+        "./cpctl.yaml": "./cpctl.yaml",
+        "--config": f"--config {config}",
+        "env": "env CPCTL_MAX_RESTARTS",
+        "flag": "flag --max-restarts",
+    }[top]
+    assert source == expected
+
+
+def test_layers_merge_key_by_key(tmp_path: Path) -> None:
+    write(tmp_path / "xdg" / "cpctl" / "default.yaml", {"parallelism": {"cp_comm_strategy": "alltoall"}})
+    write(tmp_path / "cpctl.yaml", {"fsdp": {"activation_checkpointing": True}})
+    resolved = resolve(tmp_path, environ={"CPCTL_CP_SIZE": "2"}, flags={"launch.max_restarts": "1"})
+    profile, sources = resolved.profile, resolved.sources
+    assert profile.parallelism.cp_comm_strategy == "alltoall" and sources["parallelism.cp_comm_strategy"].startswith("user default")
+    assert profile.fsdp.activation_checkpointing is True and sources["fsdp.activation_checkpointing"] == "./cpctl.yaml"
+    assert profile.parallelism.cp_size == 2 and sources["parallelism.cp_size"] == "env CPCTL_CP_SIZE"
+    assert sources["launch.max_restarts"] == "flag --max-restarts"
+    assert source_of(resolved, "parallelism.tp_size") == "default"
+
+
+def test_profile_name_lookup_prefers_local_configs(tmp_path: Path) -> None:
+    write(tmp_path / "xdg" / "cpctl" / "mine.yaml", {"launch": {"max_restarts": 1}})
+    assert resolve(tmp_path, profile_name="mine").profile.launch.max_restarts == 1
+    write(tmp_path / "configs" / "mine.yaml", {"launch": {"max_restarts": 2}})
+    resolved = resolve(tmp_path, profile_name="mine")
+    assert resolved.profile.launch.max_restarts == 2
+    assert resolved.sources["launch.max_restarts"] == f"--profile mine ({tmp_path / 'configs' / 'mine.yaml'})"
+
+
+def test_shipped_profiles_are_found_anywhere(tmp_path: Path) -> None:
+    resolved = resolve(tmp_path, profile_name="cpu-try")  # tmp_path has no configs/
+    assert resolved.profile.parallelism.cp_size == 2
+    assert resolved.files[0].parent == P.installed_profiles_dir()
+
+
+def test_config_and_profile_together(tmp_path: Path) -> None:
+    write(tmp_path / "a.yaml", {})
+    assert "pass one of them" in error_of(tmp_path, config=str(tmp_path / "a.yaml"), profile_name="cpu-try")
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_unknown_key_suggests_the_closest(tmp_path: Path) -> None:
+    path = write(tmp_path / "p.yaml", {"parallelism": {"cp_sise": 2}})
+    message = error_of(tmp_path, config=str(path))
+    assert message == f"{path}: parallelism.cp_sise: unknown key; did you mean cp_size?"
+
+
+def test_unknown_section_suggests_the_closest(tmp_path: Path) -> None:
+    path = write(tmp_path / "p.yaml", {"paralelism": {"cp_size": 2}})
+    assert "paralelism: unknown key; did you mean parallelism?" in error_of(tmp_path, config=str(path))
+
+
+def test_unknown_environment_variable(tmp_path: Path) -> None:
+    message = error_of(tmp_path, environ={"CPCTL_CP_SISE": "2"})
+    assert "CPCTL_CP_SISE: unknown variable; did you mean CPCTL_CP_SIZE?" in message
+
+
+def test_unknown_profile_name(tmp_path: Path) -> None:
+    assert "--profile cpu-tri: no such profile; did you mean cpu-try?" in error_of(tmp_path, profile_name="cpu-tri")
+
+
+@pytest.mark.parametrize(
+    ("tree", "expected"),
+    [
+        ({"parallelism": {"cp_size": "two"}}, "parallelism.cp_size: 'two' is not allowed; expected an integer >= 1"),
+        ({"parallelism": {"cp_size": 0}}, "parallelism.cp_size: 0 is not allowed; expected an integer >= 1"),
+        ({"parallelism": {"cp_load_balance": "maybe"}}, "parallelism.cp_load_balance: 'maybe' is not allowed; expected true or false"),
+        ({"parallelism": {"cp_comm_strategy": "ring"}}, "parallelism.cp_comm_strategy: 'ring' is not allowed; expected allgather or alltoall"),
+        ({"launch": {"rdzv_endpoint": "node0"}}, "launch.rdzv_endpoint: 'node0' is not allowed; expected host:port or null"),
+        ({"version": 2}, "version: 2 is not allowed; expected 1"),
+        ({"fsdp": 2}, "fsdp must be a mapping of keys"),
+        ([1, 2], "a profile must be a YAML mapping"),
+    ],
+)
+def test_wrong_type_or_range_in_a_file(tmp_path: Path, tree: object, expected: str) -> None:
+    path = write(tmp_path / "p.yaml", yaml.safe_dump(tree))
+    message = error_of(tmp_path, config=str(path))
+    assert message.startswith(str(path)) and expected in message
+
+
+def test_wrong_type_in_a_flag_and_a_variable(tmp_path: Path) -> None:
+    assert "flag --cp-size: 'x' is not allowed for parallelism.cp_size" in error_of(tmp_path, flags={"parallelism.cp_size": "x"})
+    assert "env CPCTL_NNODES: 'two' is not allowed for launch.nnodes" in error_of(tmp_path, environ={"CPCTL_NNODES": "two"})
+
+
+def test_broken_yaml_names_the_line(tmp_path: Path) -> None:
+    path = write(tmp_path / "p.yaml", "parallelism:\n  cp_size: [2\n")
+    message = error_of(tmp_path, config=str(path))
+    assert message.startswith(f"{path}: broken YAML (line ") and "cpctl config" in message
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    assert "no such profile file" in error_of(tmp_path, config=str(tmp_path / "nope.yaml"))
+
+
+def test_bare_no_is_the_string_no(tmp_path: Path) -> None:
+    # YAML 1.1 reads `no` as false; the profile documents `mixed_precision: no`
+    path = write(tmp_path / "p.yaml", "fsdp:\n  mixed_precision: no\n")
+    assert resolve(tmp_path, config=str(path)).profile.fsdp.mixed_precision == "no"
+
+
+def test_sizes_that_do_not_multiply_to_the_world_propose_a_fix(tmp_path: Path) -> None:
+    flags = {"launch.nproc_per_node": "8", "parallelism.cp_size": "2", "parallelism.dp_shard_size": "2"}
+    message = error_of(tmp_path, flags=flags)
+    assert "dp_replicate(1) * dp_shard(2) * cp(2) * tp(1) = 4 != world size 8" in message
+    assert "(nnodes 1 x nproc_per_node 8)" in message
+    assert "set dp_shard_size: 4 (or auto)" in message
+
+
+def test_sizes_with_no_fitting_dp_shard(tmp_path: Path) -> None:
+    flags = {"launch.nproc_per_node": "8", "parallelism.cp_size": "3", "parallelism.dp_shard_size": "1"}
+    message = error_of(tmp_path, flags=flags)
+    assert "= 3 != world size 8" in message and "change the sizes" in message
+
+
+def test_cp_needs_fsdp2(tmp_path: Path) -> None:
+    message = error_of(tmp_path, flags={"parallelism.cp_size": "2", "fsdp.version": "1"})
+    assert message == "fsdp.version: 1 with cp_size 2; context parallelism needs fsdp.version: 2"
+    assert resolve(tmp_path, flags={"fsdp.version": "1"}).profile.fsdp.version == 1  # fine without CP
+
+
+def test_cp_needs_sdpa(tmp_path: Path) -> None:
+    message = error_of(tmp_path, flags={"parallelism.cp_size": "2", "attention": "eager"})
+    assert message == "attention: eager with cp_size 2; context parallelism needs attention: sdpa"
+
+
+def test_too_few_gpus(tmp_path: Path) -> None:
+    flags = {"launch.device": "cuda", "launch.nproc_per_node": "4"}
+    message = error_of(tmp_path, flags=flags, machine=P.Machine(cuda_devices=2))
+    assert "launch.nproc_per_node: 4 workers but 2 GPUs visible; use --nproc-per-node 2 or fewer" in message
+    message = error_of(tmp_path, flags=flags, machine=CPU)
+    assert "launch.device is cuda but no GPU is visible; use --device cpu" in message
+
+
+def test_several_nodes_need_a_rendezvous(tmp_path: Path) -> None:
+    assert "pass --rdzv-endpoint" in error_of(tmp_path, flags={"launch.nnodes": "2"})
+    flags = {"launch.nnodes": "2", "launch.node_rank": "2", "launch.rdzv_endpoint": "h:1"}
+    assert "node_rank: 2 must be below nnodes (2)" in error_of(tmp_path, flags=flags)
+
+
+# ----------------------------------------------------------------------------- SLURM
+
+
+SLURM = {
+    "SLURM_JOB_ID": "42",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "gpu[003-004,010],cpu1",
+}
+
+
+def test_slurm_variables_give_nodes_rank_and_endpoint(tmp_path: Path) -> None:
+    resolved = resolve(tmp_path, environ=SLURM)
+    launch = resolved.profile.launch
+    assert (launch.nnodes, launch.node_rank, launch.rdzv_endpoint) == (2, 1, "gpu003:29500")
+    assert {resolved.sources[f"launch.{key}"] for key in ("nnodes", "node_rank", "rdzv_endpoint")} == {"SLURM"}
+    assert resolved.profile.world_size == 4
+
+
+def test_flags_and_variables_beat_slurm(tmp_path: Path) -> None:
+    environ = SLURM | {"CPCTL_RDZV_ENDPOINT": "head:1234"}
+    resolved = resolve(tmp_path, environ=environ, flags={"launch.node_rank": "0"})
+    assert resolved.profile.launch.rdzv_endpoint == "head:1234"
+    assert resolved.sources["launch.node_rank"] == "flag --node-rank"
+
+
+def test_without_slurm_job_id_slurm_variables_are_ignored(tmp_path: Path) -> None:
+    environ = {k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"}
+    assert resolve(tmp_path, environ=environ).profile.launch.nnodes == 1
+
+
+@pytest.mark.parametrize(
+    ("nodelist", "host"),
+    [("node7", "node7"), ("gpu[003-010,012]", "gpu003"), ("gpu[12,14]", "gpu12"), ("a1,b2", "a1")],
+)
+def test_first_slurm_host(nodelist: str, host: str) -> None:
+    assert P.first_slurm_host(nodelist) == host
+
+
+# ----------------------------------------------------------------------------- what workers get
+
+
+def test_the_profile_survives_the_trip_to_the_workers(tmp_path: Path) -> None:
+    resolved = resolve(tmp_path, flags={"parallelism.cp_size": "2", "parallelism.cp_comm_strategy": "alltoall"})
+    sent = json.dumps(resolved.profile.to_dict())
+    assert P.from_dict(json.loads(sent)) == resolved.profile
+
+
+def test_merge_layers_keeps_auto(tmp_path: Path) -> None:
+    values, sources, files = P.merge_layers(flags={"launch.device": "cuda"}, environ={}, cwd=tmp_path)
+    assert values == {"launch.device": "cuda"} and sources == {"launch.device": "flag --device"} and files == ()
