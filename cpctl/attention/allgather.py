@@ -12,8 +12,16 @@ from __future__ import annotations
 
 import torch
 
-from cpctl.attention.blocks import ForwardAccumulator, backward_blocks, forward_blocks, stack_kv, zeros_seq_major
-from cpctl.attention.comm import all_gather_async, reduce_scatter_sum
+from cpctl.attention.blocks import (
+    ChunkSink,
+    ForwardAccumulator,
+    backward_blocks,
+    empty_seq_major,
+    forward_blocks,
+    seq_chunks,
+    stack_kv,
+)
+from cpctl.attention.comm import all_gather_async, reduce_scatter_sum_async
 from cpctl.attention.plan import Visibility, causal_visibility, full_visibility, plan_blocks
 from cpctl.attention.sharding import ChunkLayout
 from cpctl.attention.spec import AttentionSpec
@@ -54,18 +62,6 @@ def _sequence_order(gathered: torch.Tensor, layout: ChunkLayout) -> torch.Tensor
     return ordered.transpose(2, 3)
 
 
-def _rank_order(ordered: torch.Tensor, layout: ChunkLayout, dtype: torch.dtype) -> torch.Tensor:
-    """Inverse of _sequence_order, into `dtype`: (2, B, H, S, D) -> (cp, 2, B, L, H, D)."""
-    by_seq = ordered.transpose(2, 3)
-    two, b, s, h, d = by_seq.shape
-    chunk_len = s // layout.num_chunks
-    stacked = torch.empty(layout.cp_size, two, b, chunk_len * len(layout.local_chunks), h, d,
-                          dtype=dtype, device=ordered.device)
-    for rank, shard_rows, seq_rows in _chunk_moves(layout, chunk_len):
-        stacked[rank, :, :, shard_rows].copy_(by_seq[:, :, seq_rows])
-    return stacked
-
-
 def forward(q, k, v, spec: AttentionSpec):
     chunk_len = q.shape[2] // len(spec.layout.local_chunks)
     local_blocks, remote_blocks = _plans(spec)
@@ -80,23 +76,47 @@ def forward(q, k, v, spec: AttentionSpec):
 
 
 def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
-    chunk_len = q.shape[2] // len(spec.layout.local_chunks)
-    local_blocks, remote_blocks = _plans(spec)
+    layout = spec.layout
+    chunk_len = q.shape[2] // len(layout.local_chunks)
+    c = chunk_len
+    _, remote_blocks = _plans(spec)
+    # The local work in fine blocks: the first ones hide the all-gather, the last one the
+    # reduce-scatter of the K/V gradients.
+    base = causal_visibility if spec.causal else full_visibility
+    local_blocks = plan_blocks(layout.local_chunks, layout.local_chunks, base, causal_squares=False)
+    split = max(1, len(local_blocks) - 1)
     gathered, request = _post_gather(k, v, spec)
-    dq = zeros_seq_major(q.shape, like=q)
-    dkv_local = zeros_seq_major((2, *k.shape), like=k)
-    rows = dict(dout=dout, q=q, out=out, lse=lse, dq=dq, chunk_len=chunk_len, scale=spec.scale)
-    backward_blocks(local_blocks, k=k, v=v, dk=dkv_local[0], dv=dkv_local[1], **rows)
+
+    dq_buf = empty_seq_major(q.shape, like=q)
+    dkv_local_buf = empty_seq_major((2, *k.shape), like=k)
+    dq = ChunkSink(seq_chunks(dq_buf, chunk_len=c), num_chunks=len(layout.local_chunks), chunk_len=c)
+    dkv_local = ChunkSink(seq_chunks(dkv_local_buf[0], dkv_local_buf[1], chunk_len=c),
+                          num_chunks=len(layout.local_chunks), chunk_len=c)
+    rows = dict(dout=dout, q=q, out=out, lse=lse, dq=dq, chunk_len=c, scale=spec.scale)
+    backward_blocks(local_blocks[:split], k=k, v=v, dkv=dkv_local, **rows)
     request.wait()
-    kv_all = _sequence_order(gathered, spec.layout)
+    kv_all = _sequence_order(gathered, layout)
     del gathered
-    dkv_all = zeros_seq_major(kv_all.shape, like=kv_all)
-    backward_blocks(remote_blocks, k=kv_all[0], v=kv_all[1], dk=dkv_all[0], dv=dkv_all[1], **rows)
+
+    # Remote K/V gradients land straight in the reduce-scatter's rank-ordered buffer.
+    stacked = torch.empty(layout.cp_size, 2, k.shape[0], k.shape[2], k.shape[1], k.shape[3],
+                          dtype=k.dtype, device=k.device)
+    owner = {chunk: (rank, pos) for rank in range(layout.cp_size) for pos, chunk in enumerate(layout.chunks_of(rank))}
+
+    def rank_slot(chunk: int):
+        rank, pos = owner[chunk]
+        slot = stacked[rank, :, :, pos * c:(pos + 1) * c].transpose(2, 3)
+        return slot[0], slot[1]
+
+    remote = ChunkSink(rank_slot, num_chunks=layout.num_chunks, chunk_len=c)
+    backward_blocks(remote_blocks, k=kv_all[0], v=kv_all[1], dkv=remote, **rows)
+    remote.zero_unwritten()
     del kv_all
-    # Sent in the input dtype: each rank's share is already an fp32 sum over its blocks.
-    stacked = _rank_order(dkv_all, spec.layout, k.dtype)
-    del dkv_all
     dkv_remote = torch.empty(stacked.shape[1:], dtype=k.dtype, device=k.device)
-    reduce_scatter_sum(dkv_remote, stacked, spec.group)
-    dkv_local += dkv_remote.transpose(2, 3)
-    return dq.to(q.dtype), dkv_local[0].to(k.dtype), dkv_local[1].to(v.dtype)
+    request = reduce_scatter_sum_async(dkv_remote, stacked, spec.group)
+    backward_blocks(local_blocks[split:], k=k, v=v, dkv=dkv_local, **rows)
+    dq.zero_unwritten()
+    dkv_local.zero_unwritten()
+    request.wait()
+    dkv_local_buf += dkv_remote.transpose(2, 3)
+    return dq_buf.to(q.dtype), dkv_local_buf[0].to(k.dtype), dkv_local_buf[1].to(v.dtype)

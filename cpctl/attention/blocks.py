@@ -62,11 +62,48 @@ def forward_blocks(acc: ForwardAccumulator, blocks: list[Block], q, k, v, *, sca
         acc.add(blk, out_b, lse_b)
 
 
+class ChunkSink:
+    """Where gradients of a chunked buffer go: a chunk's first block copies, later ones add.
+
+    `targets(chunk)` returns the views (dq; or dk and dv) that hold one chunk's gradient,
+    so a gradient can land straight in a communication buffer laid out in another order.
+    Copying the first write saves zero-filling and a read of every buffer.
+    """
+
+    def __init__(self, targets, *, num_chunks: int, chunk_len: int):
+        self.targets = targets
+        self.chunk_len = chunk_len
+        self.written = [False] * num_chunks
+
+    def add(self, first_chunk: int, *grads: torch.Tensor) -> None:
+        c = self.chunk_len
+        for offset in range(grads[0].shape[-2] // c):
+            chunk = first_chunk + offset
+            for target, grad in zip(self.targets(chunk), grads):
+                part = grad[..., offset * c:(offset + 1) * c, :]
+                if self.written[chunk]:
+                    target.add_(part)
+                else:
+                    target.copy_(part)
+            self.written[chunk] = True
+
+    def zero_unwritten(self) -> None:
+        for chunk, written in enumerate(self.written):
+            if not written:
+                for target in self.targets(chunk):
+                    target.zero_()
+            self.written[chunk] = True
+
+
+def seq_chunks(*buffers: torch.Tensor, chunk_len: int):
+    """Chunk -> views of each (..., S, D) buffer: the usual target of a ChunkSink."""
+    return lambda chunk: tuple(buf[..., chunk * chunk_len:(chunk + 1) * chunk_len, :] for buf in buffers)
+
+
 def backward_blocks(
-    blocks: list[Block], *, dout, q, k, v, out, lse, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-    chunk_len: int, scale: float,
+    blocks: list[Block], *, dout, q, k, v, out, lse, dq: ChunkSink, dkv: ChunkSink, chunk_len: int, scale: float,
 ) -> None:
-    """Add each block's gradients into dq (local queries) and dk/dv (the K/V buffer given)."""
+    """Each block's gradients: dq into the local queries' sink, dk/dv into the K/V buffer's sink."""
     c = chunk_len
     for blk in blocks:
         rows = slice(blk.q_start * c, blk.q_stop * c)
@@ -75,9 +112,8 @@ def backward_blocks(
             dout[:, :, rows], q[:, :, rows], k[:, :, kv_rows], v[:, :, kv_rows], out[:, :, rows],
             lse[:, :, rows].contiguous(), causal=blk.causal, scale=scale,
         )
-        dq[:, :, rows] += dq_b
-        dk[:, :, kv_rows] += dk_b
-        dv[:, :, kv_rows] += dv_b
+        dq.add(blk.q_start, dq_b)
+        dkv.add(blk.kv_start, dk_b, dv_b)
 
 
 def stack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -89,7 +125,7 @@ def stack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return kv.transpose(2, 3)
 
 
-def zeros_seq_major(shape, *, like: torch.Tensor) -> torch.Tensor:
-    """fp32 zeros of (..., B, H, S, D) shape, seq-major."""
+def empty_seq_major(shape, *, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """An uninitialised (..., B, H, S, D) buffer, seq-major, fp32 unless told."""
     *lead, b, h, s, d = shape
-    return torch.zeros(*lead, b, s, h, d, dtype=torch.float32, device=like.device).transpose(-3, -2)
+    return torch.empty(*lead, b, s, h, d, dtype=dtype, device=like.device).transpose(-3, -2)

@@ -50,6 +50,6 @@ def all_gather_async(output: torch.Tensor, local: torch.Tensor, group: dist.Proc
     return dist.all_gather(list(output.unbind(0)), local, group=group, async_op=True)
 
 
-def reduce_scatter_sum(output: torch.Tensor, stacked: torch.Tensor, group: dist.ProcessGroup) -> None:
+def reduce_scatter_sum_async(output: torch.Tensor, stacked: torch.Tensor, group: dist.ProcessGroup):
     """Sum `stacked` (ranks along dim 0) over the group; this rank keeps its own slice."""
-    dist.reduce_scatter_tensor(output, stacked.flatten(0, 1), op=dist.ReduceOp.SUM, group=group)
+    return dist.reduce_scatter_tensor(output, stacked.flatten(0, 1), op=dist.ReduceOp.SUM, group=group, async_op=True)

@@ -44,17 +44,24 @@ def plan_blocks(
     q_chunks: Sequence[int],
     kv_chunks: Sequence[int],
     visibility: Callable[[int, int], Visibility],
+    *,
+    causal_squares: bool = True,
 ) -> list[Block]:
     """Blocks covering every visible pair once; positions index the local q and kv buffers.
 
     A run of positions where q and kv hold the same ascending chunks and every pair is
     causal (earlier chunks full, own chunk diagonal, later chunks hidden) is one causal
     block over the run: head-tail shards keep global order locally, so a rank's own K/V
-    is one causal call. The remaining fully visible pairs are grouped into runs.
+    is one causal call. The remaining fully visible pairs are grouped into runs. With
+    `causal_squares=False` each diagonal pair is its own block instead: finer units of work,
+    for overlapping communication in the backward.
     """
     seen = [[visibility(qc, kc) for kc in kv_chunks] for qc in q_chunks]
     blocks: list[Block] = []
-    for start, stop in _causal_squares(q_chunks, kv_chunks, seen):
+    squares = _causal_squares(q_chunks, kv_chunks, seen)
+    if not causal_squares:
+        squares = [(i, i + 1) for start, stop in squares for i in range(start, stop)]
+    for start, stop in squares:
         blocks.append(Block(start, stop, start, stop, causal=True))
         for i in range(start, stop):
             for j in range(start, stop):

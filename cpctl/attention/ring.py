@@ -11,7 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from cpctl.attention.blocks import ForwardAccumulator, backward_blocks, forward_blocks, stack_kv, zeros_seq_major
+from cpctl.attention.blocks import (
+    ChunkSink,
+    ForwardAccumulator,
+    backward_blocks,
+    empty_seq_major,
+    forward_blocks,
+    seq_chunks,
+    stack_kv,
+)
 from cpctl.attention.comm import Ring, wait_all
 from cpctl.attention.plan import causal_visibility, full_visibility, plan_blocks
 from cpctl.attention.spec import AttentionSpec
@@ -44,16 +52,20 @@ def forward(q, k, v, spec: AttentionSpec):
 
 def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
     ring = Ring.of(spec.group)
-    chunk_len = q.shape[2] // len(spec.layout.local_chunks)
-    dq = zeros_seq_major(q.shape, like=q)
+    num_chunks = len(spec.layout.local_chunks)
+    c = q.shape[2] // num_chunks
+    dq_buf = empty_seq_major(q.shape, like=q)
+    dq = ChunkSink(seq_chunks(dq_buf, chunk_len=c), num_chunks=num_chunks, chunk_len=c)
     kv = stack_kv(k, v)
     dkv_home = None  # this rank's own block's gradient, summed by every other rank
-    sum_incoming, sum_requests = None, []
+    sum_incoming, sum_requests, sending = None, [], None
     for step in range(ring.size):
         kv_next, kv_requests = _shift(ring, kv) if step < ring.size - 1 else (kv, [])
-        dkv = zeros_seq_major(kv.shape, like=kv)
+        dkv = empty_seq_major(kv.shape, like=kv)
+        dkv_sink = ChunkSink(seq_chunks(dkv[0], dkv[1], chunk_len=c), num_chunks=num_chunks, chunk_len=c)
         backward_blocks(_plan(spec, (ring.rank - step) % ring.size), dout=dout, q=q, k=kv[0], v=kv[1],
-                        out=out, lse=lse, dq=dq, dk=dkv[0], dv=dkv[1], chunk_len=chunk_len, scale=spec.scale)
+                        out=out, lse=lse, dq=dq, dkv=dkv_sink, chunk_len=c, scale=spec.scale)
+        dkv_sink.zero_unwritten()
         if step == 0:
             dkv_home = dkv  # the own block's share stays here; the others' shares travel
         else:
@@ -62,12 +74,12 @@ def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
                 dkv += sum_incoming
             if step == ring.size - 1:  # the last hop is not hidden behind compute: send it narrow
                 dkv = dkv.to(k.dtype)
-            sum_incoming, sum_requests = _shift(ring, dkv)
             sending = dkv  # keep the buffer alive until its send completes
+            sum_incoming, sum_requests = _shift(ring, sending)
         wait_all(kv_requests)
         kv = kv_next
+    dq.zero_unwritten()
     if ring.size > 1:
         wait_all(sum_requests)  # the last hop: this rank's own block, summed over the others
         dkv_home += sum_incoming
-        del sending
-    return dq.to(q.dtype), dkv_home[0].to(k.dtype), dkv_home[1].to(v.dtype)
+    return dq_buf.to(q.dtype), dkv_home[0].to(k.dtype), dkv_home[1].to(v.dtype)
