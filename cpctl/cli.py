@@ -1,0 +1,321 @@
+"""The `cpctl` command line: presentation only.
+
+Library code raises CpctlError with a message that names the fix; this module prints it on one
+line and exits 2 (or the failed worker's own exit code for a launch). torch is imported only
+by the commands that need it (`launch` without --dry-run, `check` without --static, `env`),
+so `--help`, `--version` and `launch --dry-run` answer in a fraction of an `import torch`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import functools
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from cpctl import __version__
+from cpctl.errors import CpctlError
+from cpctl.profile import FIELDS, FieldSpec
+
+app = typer.Typer(
+    name="cpctl",
+    help="Context parallelism for PyTorch long-sequence training, as one flag.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+MESH_HEAD_ROWS, MESH_TAIL_ROWS = 16, 4  # larger worlds print the first and last ranks only
+
+# ----------------------------------------------------------------------------- profile flags
+# One place defines the option set of `config`, `launch` and `check`: a `--<key> VALUE` per
+# profile key (profile.FIELDS), parsed and validated by the profile so every bad value gets
+# the same one-line error whether it came from a flag, a variable or a file.
+
+PROFILE_FLAGS: tuple[FieldSpec, ...] = tuple(spec for spec in FIELDS.values() if spec.path != "version")
+_PANELS = {"parallelism": "Parallelism", "fsdp": "FSDP", "launch": "Machines", "": "Model"}
+
+
+def _param_name(spec: FieldSpec) -> str:
+    return "flag_" + spec.env_suffix.lower()
+
+
+def _flag_parameter(spec: FieldSpec) -> inspect.Parameter:
+    option = typer.Option(
+        spec.flag,
+        help=f"{spec.help} ({spec.allowed}; env {spec.env_var})",
+        metavar="N" if "integer" in spec.allowed else "VALUE",
+        rich_help_panel=_PANELS[spec.path.rpartition(".")[0]],
+        show_default=False,
+    )
+    return inspect.Parameter(
+        _param_name(spec), inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], option]
+    )
+
+
+def profile_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give `command` one option per profile key; it receives them as `flags={key path: text}`,
+    holding only the flags the user gave."""
+    signature = inspect.signature(command, eval_str=True)
+    own = [param for name, param in signature.parameters.items() if name != "flags"]
+    added = [_flag_parameter(spec) for spec in PROFILE_FLAGS]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        given = {spec.path: kwargs.pop(_param_name(spec)) for spec in PROFILE_FLAGS}
+        return command(**kwargs, flags={path: text for path, text in given.items() if text is not None})
+
+    parameters = [*own, *added]
+    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {param.name: param.annotation for param in parameters}
+    del wrapper.__wrapped__  # typer must see the new signature, not the wrapped one
+    return wrapper
+
+
+# ----------------------------------------------------------------------------- presentation
+
+
+def _stdout() -> Console:
+    return Console(highlight=False)
+
+
+def _stderr() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """CpctlError -> one rich line on stderr and exit 2 (a launch's own code if it has one)."""
+    try:
+        yield
+    except CpctlError as exc:
+        _stderr().print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
+        raise typer.Exit(getattr(exc, "exit_code", 2)) from None
+
+
+def _suggest_flag(text: str) -> str:
+    known = [spec.flag for spec in PROFILE_FLAGS] + ["--config", "--profile", "--dry-run", "--module"]
+    close = difflib.get_close_matches(text.split("=")[0], known, n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else "; see cpctl launch --help"
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(f"cpctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", help="Show the version and exit.", is_eager=True, callback=_show_version)
+    ] = False,
+) -> None:
+    """Context parallelism for PyTorch long-sequence training, as one flag."""
+
+
+ConfigOption = Annotated[
+    Optional[Path], typer.Option("--config", "-c", help="Profile YAML file.", show_default=False, rich_help_panel="Profile")
+]
+ProfileOption = Annotated[
+    Optional[str],
+    typer.Option(
+        "--profile", "-p", help="Named profile: ./configs/NAME.yaml, the user config dir, or one shipped with cpctl.",
+        show_default=False, rich_help_panel="Profile",
+    ),
+]
+
+# ----------------------------------------------------------------------------- commands
+
+
+@app.command()
+@profile_flags
+def config(
+    *,
+    output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the profile.")] = Path("cpctl.yaml"),
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Take defaults and flags without asking (also when there is no TTY).")] = False,
+    flags: dict[str, str],
+) -> None:
+    """Write a profile with an interactive wizard (questionary). Flags preset answers."""
+    from cpctl import wizard  # questionary is imported by the wizard only
+
+    with user_errors():
+        code = wizard.run_config(output=output, assume_yes=yes, flags=flags, console=_stdout())
+    raise typer.Exit(code)
+
+
+@app.command(
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False},
+)
+@profile_flags
+def launch(
+    *,
+    script: Annotated[Optional[str], typer.Argument(metavar="SCRIPT", help="Training script (a module name with -m).", show_default=False)] = None,
+    args: Annotated[Optional[list[str]], typer.Argument(metavar="ARGS", help="Passed to the script unchanged.", show_default=False)] = None,
+    module: Annotated[bool, typer.Option("--module", "-m", help="SCRIPT is a module name, run as `python -m`.")] = False,
+    config: ConfigOption = None,
+    profile: ProfileOption = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved profile, mesh layout and worker command; spawn nothing.")] = False,
+    flags: dict[str, str],
+) -> None:
+    """Validate the profile, then start the workers with torchrun (PyTorch's elastic agent).
+
+    cpctl options go before SCRIPT; everything after SCRIPT goes to the script.
+    """
+    from cpctl import launcher, profile as profiles
+
+    script_args = list(args or [])
+    with user_errors():
+        if script is None:
+            raise CpctlError("no script given; usage: cpctl launch [OPTIONS] SCRIPT [ARGS]... or cpctl launch -m MODULE [ARGS]...")
+        if script.startswith("-"):  # an unknown option lands here, before any script
+            raise CpctlError(f"{script}: unknown option{_suggest_flag(script)}")
+        resolved = profiles.resolve(flags=flags, config=config, profile_name=profile)
+        plan = launcher.prepare(resolved, target=script, target_args=script_args, module=module)
+        _warn_misplaced_options(script_args)
+        if dry_run:
+            _print_plan(plan)
+            return
+        launcher.launch(plan)
+
+
+@app.command()
+@profile_flags
+def check(
+    *,
+    config: ConfigOption = None,
+    profile: ProfileOption = None,
+    static: Annotated[
+        bool,
+        typer.Option(
+            "--static",
+            help="Validate the profile as on the machine it is written for (a cuda profile gets the GPUs it asks for); "
+            "skip the device and backend probes. For CI on CPU-only boxes.",
+        ),
+    ] = False,
+    flags: dict[str, str],
+) -> None:
+    """Validate a profile and this environment without launching; exit 0 when all is fine."""
+    from cpctl import envinfo
+
+    with user_errors():
+        _, checks = envinfo.run_checks(flags=flags, config=config, profile_name=profile, static=static)
+    table = Table(title="cpctl check", title_justify="left", show_edge=False)
+    table.add_column("check")
+    table.add_column("")
+    table.add_column("detail", overflow="fold")
+    marks = {True: "[green]ok[/]", False: "[bold red]FAIL[/]", None: "[dim]-[/]"}
+    for item in checks:
+        table.add_row(item.name, marks[item.ok], escape(item.detail))
+    _stdout().print(table)
+    failed = [item for item in checks if item.ok is False]
+    if failed:
+        _stderr().print(f"[bold red]error:[/] {escape(failed[0].detail)}", soft_wrap=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def env() -> None:
+    """Versions, devices, backends and the active default profile."""
+    from cpctl import envinfo
+
+    devices, backends = envinfo.devices_and_backends()
+    sections = [
+        ("versions", envinfo.versions()),
+        ("devices", devices),
+        ("backends", backends),
+        ("profile", envinfo.profile_context()),
+    ]
+    table = Table(show_header=False, show_edge=False, title="cpctl env", title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_column(overflow="fold")
+    for section, rows in sections:
+        for index, (name, value) in enumerate(rows):
+            table.add_row(section if index == 0 else "", escape(name), escape(value))
+        table.add_section()
+    _stdout().print(table)
+
+
+# ----------------------------------------------------------------------------- dry run
+
+
+def _print_plan(plan: Any) -> None:
+    from cpctl.envinfo import describe
+    from cpctl.layout import MESH_AXES, mesh_table
+
+    out = _stdout()
+    resolved = plan.resolved
+    out.print("[bold]Resolved profile[/] (highest source wins: flag > env > SLURM > --config/--profile > ./cpctl.yaml > user default > default)", soft_wrap=True)
+    profile_table = Table(show_edge=False)
+    for column in ("key", "value", "source"):
+        profile_table.add_column(column, overflow="fold")
+    for path, value, source in resolved.rows():
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        profile_table.add_row(path, escape(shown), escape(source))
+    out.print(profile_table)
+
+    profile = resolved.profile
+    world, nproc = profile.world_size, profile.launch.nproc_per_node
+    out.print()
+    out.print(f"[bold]Mesh layout[/]: {escape(describe(resolved))}", soft_wrap=True)
+    mesh = Table(show_edge=False)
+    for column in ("rank", "node", "local rank", *MESH_AXES):
+        mesh.add_column(column, justify="right")
+    coordinates = mesh_table(profile.parallelism, world)
+    shown_rows = coordinates
+    if world > MESH_HEAD_ROWS + MESH_TAIL_ROWS:
+        shown_rows = coordinates[:MESH_HEAD_ROWS] + [None] + coordinates[-MESH_TAIL_ROWS:]
+    for coord in shown_rows:
+        if coord is None:
+            mesh.add_row("…", *[""] * (2 + len(MESH_AXES)))
+            continue
+        axes = [str(getattr(coord, axis)) for axis in MESH_AXES]
+        mesh.add_row(str(coord.rank), str(coord.rank // nproc), str(coord.rank % nproc), *axes)
+    out.print(mesh)
+    if world > MESH_HEAD_ROWS + MESH_TAIL_ROWS:
+        out.print(f"[dim]{world - MESH_HEAD_ROWS - MESH_TAIL_ROWS} ranks not shown[/]")
+    if profile.launch.nnodes > 1:
+        out.print(
+            "[dim]node = the machine's place in the c10d rendezvous, which numbers machines as they join "
+            "(by host name), not by --node-rank.[/]",
+            soft_wrap=True,
+        )
+
+    out.print()
+    out.print("[bold]Worker command[/] (what cpctl launch runs, as a shell line):")
+    out.print(plan.command_line(), markup=False, highlight=False, soft_wrap=True)
+    out.print(
+        f"[dim]The resolved profile reaches every worker as JSON in {escape(next(iter(plan.env)))}; "
+        "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.[/]",
+        soft_wrap=True,
+    )
+
+
+def _warn_misplaced_options(script_args: list[str]) -> None:
+    """cpctl options after SCRIPT go to the script (as with torchrun); say so once, do not guess."""
+    flags = {spec.flag for spec in PROFILE_FLAGS} | {"--config", "--profile", "--dry-run"}
+    misplaced = [arg for arg in script_args if arg.split("=")[0] in flags]
+    if misplaced:
+        _stderr().print(
+            f"[yellow]note:[/] {escape(', '.join(misplaced))} after the script go to the script; "
+            "put cpctl options before SCRIPT to apply them",
+            soft_wrap=True,
+        )
+
+
+def main() -> None:
+    app(prog_name="cpctl")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+"""Shared fixtures. `isolated` gives a test its own cwd and a clean cpctl environment."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# Variables that would change what a profile resolves to, or how torchrun behaves.
+_AMBIENT_PREFIXES = ("CPCTL_", "SLURM_", "PET_", "TORCHELASTIC_")
+
+
+@pytest.fixture
+def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """cwd = an empty tmp dir; no CPCTL_*/SLURM_* variables, no user default profile, no GPUs
+    visible (so `device: auto` means cpu on every machine), wide rich output. Returns the cwd."""
+    for name in list(os.environ):
+        if name.startswith(_AMBIENT_PREFIXES):
+            monkeypatch.delenv(name)
+    config_home = tmp_path / "xdg-config"
+    config_home.mkdir()
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(config_home))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setenv("COLUMNS", "250")  # rich wraps table cells at the terminal width
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return work

@@ -1,0 +1,447 @@
+"""The `cpctl` command line through typer's CliRunner: exit codes, one-line errors, dry-run
+output, `check`, `env`, and the launcher at its boundary (torch.distributed.run.run patched,
+as fastapi-cli patches uvicorn.run). Nothing here spawns a worker; tests/test_launch.py does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from cpctl import __version__, envinfo
+from cpctl.cli import PROFILE_FLAGS, app
+from cpctl.profile import PROFILE_ENV_VAR
+
+REPO = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
+
+pytestmark = pytest.mark.usefixtures("isolated")
+
+
+def cpctl(*args: str, env: dict[str, str] | None = None) -> object:
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def assert_one_line_error(result: object, *fragments: str, code: int = 2) -> str:
+    """Exit `code`, a single `error: ...` line on stderr naming `fragments`, no traceback."""
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """Rich table rows of `text` by their first cell."""
+    cells = [[cell.strip() for cell in line.split("│")] for line in text.splitlines() if "│" in line]
+    return {row[0]: row[1:] for row in cells}
+
+
+@pytest.fixture
+def script(isolated: Path) -> Path:
+    path = isolated / "train.py"
+    path.write_text("print('hi')\n")
+    return path
+
+
+def write(path: Path, text: str) -> Path:
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ----------------------------------------------------------------------------- help, version, imports
+
+
+def test_help_lists_the_commands() -> None:
+    result = cpctl("--help")
+    assert result.exit_code == 0
+    for command in ("config", "launch", "check", "env"):
+        assert command in result.output
+
+
+def test_version() -> None:
+    result = cpctl("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"cpctl {__version__}"
+
+
+# What `python -c` runs: the CLI as `cpctl ARGS`, then report heavy modules that got imported.
+_PROBE = """
+import atexit, sys
+atexit.register(lambda: sys.__stderr__.write(
+    "\\nHEAVY=" + ",".join(m for m in ("torch", "questionary") if m in sys.modules) + "\\n"))
+from cpctl.cli import main
+sys.argv = ["cpctl", *sys.argv[1:]]
+main()
+"""
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--help"],
+        ["--version"],
+        ["launch", "--help"],
+        ["config", "--help"],
+        ["check", "--help"],
+        ["env", "--help"],
+        ["launch", "--dry-run", "--cp-size", "2", "train.py", "--steps", "5"],
+        ["check", "--static", "--profile", "cp8-allgather"],
+    ],
+    ids=lambda args: " ".join(args[:2]),
+)
+def test_fast_paths_do_not_import_torch(script: Path, args: list[str]) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _PROBE, *args], capture_output=True, text=True, timeout=60,
+        env=os.environ | {"PYTHONPATH": str(REPO)},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "HEAVY=", proc.stderr
+
+
+def test_launch_config_and_check_share_one_flag_set() -> None:
+    """Pinned like torchtitan's test_no_new_cli_options: every flag is a promise."""
+    command = typer.main.get_command(app)
+    expected = {
+        "--dp-replicate-size", "--dp-shard-size", "--cp-size", "--tp-size", "--cp-comm-strategy",
+        "--cp-load-balance", "--fsdp-version", "--reshard-after-forward", "--mixed-precision",
+        "--activation-checkpointing", "--attention", "--device", "--nnodes", "--nproc-per-node",
+        "--node-rank", "--rdzv-endpoint", "--max-restarts",
+    }
+    own = {
+        "launch": {"--module", "-m", "--config", "-c", "--profile", "-p", "--dry-run", "--help"},
+        "check": {"--config", "-c", "--profile", "-p", "--static", "--help"},
+        "config": {"--output", "-o", "--yes", "-y", "--help"},
+    }
+    assert {spec.flag for spec in PROFILE_FLAGS} == expected
+    for name, extra in own.items():
+        options = {opt for param in command.commands[name].get_params(command.make_context("cpctl", ["--help"], resilient_parsing=True)) for opt in param.opts if opt.startswith("-")}
+        assert options == expected | extra, name
+
+
+# ----------------------------------------------------------------------------- bad input: one line, exit 2
+
+
+@pytest.mark.parametrize(
+    ("args", "fragments"),
+    [
+        (["--cp-size", "two"], ["flag --cp-size: 'two' is not allowed for parallelism.cp_size; expected an integer >= 1"]),
+        (["--cp-comm-strategy", "ring"], ["'ring' is not allowed", "expected allgather or alltoall"]),
+        (["--nproc-per-node", "8", "--cp-size", "2", "--dp-shard-size", "2"],
+         ["dp_replicate(1) * dp_shard(2) * cp(2) * tp(1) = 4 != world size 8", "set dp_shard_size: 4"]),
+        (["--cp-size", "2", "--fsdp-version", "1"], ["context parallelism needs fsdp.version: 2"]),
+        (["--cp-size", "2", "--attention", "eager"], ["context parallelism needs attention: sdpa"]),
+        (["--device", "cuda", "--nproc-per-node", "2"], ["launch.device is cuda but no GPU is visible", "--device cpu"]),
+        (["--nnodes", "2"], ["pass --rdzv-endpoint HOST:PORT"]),
+        (["--profile", "cpu-tri"], ["no such profile; did you mean cpu-try?"]),
+        (["--cp-sise", "2"], ["--cp-sise: unknown option; did you mean --cp-size?"]),
+    ],
+    ids=lambda value: value[0] if isinstance(value, list) and value and value[0].startswith("--") else None,
+)
+def test_bad_flags(script: Path, args: list[str], fragments: list[str]) -> None:
+    assert_one_line_error(cpctl("launch", "--dry-run", *args, "train.py"), *fragments)
+
+
+def test_too_few_gpus(script: Path) -> None:
+    result = cpctl("launch", "--dry-run", "--device", "cuda", "--nproc-per-node", "4", "train.py",
+                   env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    assert_one_line_error(result, "4 workers but 2 GPUs visible; use --nproc-per-node 2 or fewer")
+
+
+@pytest.mark.parametrize(
+    ("text", "fragments"),
+    [
+        ("parallelism:\n  cp_sise: 2\n", ["parallelism.cp_sise: unknown key; did you mean cp_size?"]),
+        ("parallelism:\n  cp_size: two\n", ["parallelism.cp_size: 'two' is not allowed; expected an integer >= 1"]),
+        ("parallelism:\n  cp_size: [2\n", ["broken YAML (line 3, column 1)"]),
+        ("parallelism: {cp_comm_strategy: ring}\n", ["parallelism.cp_comm_strategy: 'ring' is not allowed"]),
+        ("parallelism: {cp_size: 2}\nfsdp: {version: 1}\n", ["fsdp.version: 1 with cp_size 2"]),
+        ("parallelism: {cp_size: 2}\nattention: flash_attention_2\n", ["attention: flash_attention_2 with cp_size 2"]),
+        ("version: 3\n", ["version: 3 is not allowed; expected 1"]),
+    ],
+    ids=["unknown-key", "wrong-type", "broken-yaml", "bad-strategy", "cp-fsdp1", "cp-not-sdpa", "version"],
+)
+def test_bad_profile_files(script: Path, text: str, fragments: list[str]) -> None:
+    bad = write(script.parent / "bad.yaml", text)
+    line = assert_one_line_error(cpctl("launch", "--dry-run", "--config", "bad.yaml", "train.py"), *fragments)
+    if "with cp_size" not in line:  # rules across keys judge the merged profile, not one file
+        assert line.startswith(f"error: {bad}: ")
+    assert_one_line_error(cpctl("check", "--config", "bad.yaml"), *fragments)
+
+
+def test_bad_local_profile_is_named(script: Path) -> None:
+    write(script.parent / "cpctl.yaml", "launch: {nproc_per_node: 0}\n")
+    assert_one_line_error(cpctl("launch", "--dry-run", "train.py"), "cpctl.yaml: launch.nproc_per_node: 0 is not allowed")
+
+
+def test_bad_environment_variable(script: Path) -> None:
+    result = cpctl("launch", "--dry-run", "train.py", env={"CPCTL_CP_SIZE": "abc"})
+    assert_one_line_error(result, "env CPCTL_CP_SIZE: 'abc' is not allowed for parallelism.cp_size")
+    result = cpctl("launch", "--dry-run", "train.py", env={"CPCTL_CPSIZE": "2"})
+    assert_one_line_error(result, "CPCTL_CPSIZE: unknown variable; did you mean CPCTL_CP_SIZE?")
+
+
+def test_missing_script(isolated: Path) -> None:
+    (isolated / "train.py").write_text("")
+    assert_one_line_error(cpctl("launch", "--dry-run", "trian.py"), "trian.py: no such script; did you mean train.py?")
+    assert_one_line_error(cpctl("launch", "--dry-run", "nothing/here.py"), "nothing/here.py: no such script")
+    assert_one_line_error(cpctl("launch", "--dry-run"), "no script given")
+
+
+def test_missing_module(isolated: Path) -> None:
+    assert_one_line_error(cpctl("launch", "--dry-run", "-m", "no_such_mod_xyz"), "-m no_such_mod_xyz: no module named 'no_such_mod_xyz'")
+    (isolated / "pkg").mkdir()
+    (isolated / "pkg" / "__init__.py").write_text("raise SystemExit('must not be imported by the check')\n")
+    assert_one_line_error(cpctl("launch", "--dry-run", "-m", "pkg.train"), "no module named 'pkg.train'")
+
+
+def test_old_torch_is_refused(script: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = envinfo.installed_version
+    monkeypatch.setattr(envinfo, "installed_version", lambda name: "2.5.1" if name == "torch" else real(name))
+    assert_one_line_error(cpctl("launch", "--dry-run", "train.py"), "torch 2.5.1 is too old", "torch>=2.6")
+    result = cpctl("check", "--device", "cpu")
+    assert_one_line_error(result, "torch 2.5.1 is too old")
+    assert "FAIL" in result.stdout
+
+
+def test_torch_version_parsing() -> None:
+    assert envinfo.parse_version("2.13.0+cpu") == (2, 13)
+    assert envinfo.torch_problem("2.6.0.dev20241001") is None
+    assert "not installed" in envinfo.torch_problem(None)
+
+
+# ----------------------------------------------------------------------------- dry run
+
+
+def test_dry_run_shows_profile_sources_mesh_and_command(script: Path) -> None:
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--nproc-per-node", "4", "--cp-size", "2",
+                   "train.py", "--steps", "5", env={"CPCTL_CP_COMM_STRATEGY": "alltoall"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "Resolved profile" in out and "Mesh layout" in out
+    rows = table_rows(out)
+    assert rows["parallelism.cp_size"] == ["2", "flag --cp-size"]
+    assert rows["parallelism.cp_comm_strategy"] == ["alltoall", "env CPCTL_CP_COMM_STRATEGY"]
+    assert rows["parallelism.dp_shard_size"] == ["2", "auto (world 4 / 2)"]
+    assert rows["parallelism.tp_size"] == ["1", "default"]
+    # mesh: rank -> node, local rank, dp_replicate, dp_shard, cp, tp
+    assert [rows[str(rank)] for rank in range(4)] == [
+        ["0", "0", "0", "0", "0", "0"], ["0", "1", "0", "0", "1", "0"],
+        ["0", "2", "0", "1", "0", "0"], ["0", "3", "0", "1", "1", "0"],
+    ]
+    assert "torchrun --nnodes=1 --nproc-per-node=4 --max-restarts=0 --standalone --tee=3 train.py --steps 5" in out
+    assert f"{PROFILE_ENV_VAR}='{{\"version\":1," in out
+
+
+def test_dry_run_multi_node(script: Path) -> None:
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--node-rank", "1",
+                   "--rdzv-endpoint", "10.0.0.1:29400", "--nproc-per-node", "2", "--cp-size", "4", "train.py")
+    assert result.exit_code == 0, result.output
+    assert "torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=0 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 --tee=3 train.py" in result.stdout
+    assert "--standalone" not in result.stdout
+
+
+def test_dry_run_under_slurm(script: Path) -> None:
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "2", "SLURM_NODEID": "1", "SLURM_JOB_NODELIST": "gpu[003-004]"}
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "train.py", env=slurm)
+    assert result.exit_code == 0, result.output
+    assert "--nnodes=2" in result.stdout and "--rdzv-endpoint=gpu003:29500" in result.stdout
+    assert "│ SLURM" in result.stdout
+
+
+def test_dry_run_truncates_a_large_mesh(script: Path) -> None:
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "16", "--rdzv-endpoint", "h:1",
+                   "--nproc-per-node", "8", "--cp-size", "8", "--tp-size", "2", "train.py")
+    assert result.exit_code == 0, result.output
+    assert "108 ranks not shown" in result.stdout
+    rows = table_rows(result.stdout)
+    assert rows["15"] == ["1", "7", "0", "0", "7", "1"] and "16" not in rows and "…" in rows
+    assert rows["127"] == ["15", "7", "0", "7", "7", "1"]
+
+
+def test_dry_run_with_a_module(isolated: Path) -> None:
+    (isolated / "pkg").mkdir()
+    (isolated / "pkg" / "__init__.py").write_text("raise SystemExit('must not be imported by the check')\n")
+    (isolated / "pkg" / "train.py").write_text("")
+    result = cpctl("launch", "--dry-run", "-m", "pkg.train", "--lr", "1")
+    assert result.exit_code == 0, result.output
+    assert "--tee=3 --module pkg.train --lr 1" in result.stdout
+
+
+def test_options_after_the_script_go_to_the_script(script: Path) -> None:
+    result = cpctl("launch", "--dry-run", "train.py", "--cp-size", "2")
+    assert result.exit_code == 0
+    assert "train.py --cp-size 2" in result.stdout  # passed through, not applied
+    assert "note: --cp-size after the script go to the script" in result.stderr
+
+
+# ----------------------------------------------------------------------------- the launcher boundary
+
+
+class TorchrunSpy:
+    """Stands in for torch.distributed.run.run: records what it was given and the environment
+    its workers would inherit, then does what it is told."""
+
+    def __init__(self, raises: BaseException | None = None) -> None:
+        self.raises = raises
+        self.calls: list[tuple[object, dict[str, str]]] = []
+
+    def __call__(self, args: object) -> None:
+        self.calls.append((args, dict(os.environ)))
+        if self.raises is not None:
+            raise self.raises
+
+
+@pytest.fixture
+def torchrun(monkeypatch: pytest.MonkeyPatch) -> TorchrunSpy:
+    import torch.distributed.run
+
+    spy = TorchrunSpy()
+    monkeypatch.setattr(torch.distributed.run, "run", spy)
+    return spy
+
+
+def test_launch_hands_torchrun_its_own_parsed_args(script: Path, torchrun: TorchrunSpy) -> None:
+    result = cpctl("launch", "--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "train.py", "--lr", "1e-3", "-x")
+    assert result.exit_code == 0, result.output
+    [(args, environ)] = torchrun.calls
+    assert (args.nnodes, args.nproc_per_node, args.max_restarts, args.standalone) == ("1", "2", 0, True)
+    assert (args.rdzv_backend, args.tee, args.module) == ("static", "3", False)  # run() turns --standalone into c10d
+    assert (args.training_script, args.training_script_args) == ("train.py", ["--lr", "1e-3", "-x"])
+    sent = json.loads(environ[PROFILE_ENV_VAR])
+    assert sent["parallelism"] | {} == {"dp_replicate_size": 1, "dp_shard_size": 1, "cp_size": 2, "tp_size": 1,
+                                        "cp_comm_strategy": "allgather", "cp_load_balance": True}
+    assert sent["launch"]["device"] == "cpu" and sent["fsdp"]["mixed_precision"] == "no"
+    assert environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == "[rank${rank}]: "
+    assert PROFILE_ENV_VAR not in os.environ  # set for the launch only
+
+
+def test_launch_torchrun_config_keeps_torchrun_defaults(script: Path, torchrun: TorchrunSpy) -> None:
+    from torch.distributed.run import config_from_args
+
+    assert cpctl("launch", "--device", "cpu", "--nproc-per-node", "3", "--cp-size", "3", "train.py").exit_code == 0
+    [(args, _)] = torchrun.calls
+    config, command, command_args = config_from_args(args)
+    assert (config.nproc_per_node, config.max_restarts, config.min_nodes, config.max_nodes) == (3, 0, 1, 1)
+    assert command == sys.executable and command_args == ["-u", "train.py"]
+
+
+def test_launch_multi_node_uses_c10d(script: Path, torchrun: TorchrunSpy) -> None:
+    result = cpctl("launch", "--device", "cpu", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "head:29400",
+                   "--nproc-per-node", "1", "--max-restarts", "2", "-m", "train")
+    assert result.exit_code == 0, result.output
+    [(args, _)] = torchrun.calls
+    assert (args.nnodes, args.standalone, args.rdzv_backend, args.rdzv_endpoint) == ("2", False, "c10d", "head:29400")
+    assert (args.max_restarts, args.module, args.training_script) == (2, True, "train")
+
+
+def _child_failed(*failures: tuple[int, int]) -> BaseException:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    found = {rank: ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=code, error_file="/nonexistent")
+             for rank, code in failures}
+    return ChildFailedError(name="train.py", failures=found)
+
+
+@pytest.mark.parametrize(
+    ("raised", "code", "fragments"),
+    [
+        (lambda: _child_failed((1, 3)), 3, ["worker rank 1 (local rank 1, pid 1001) exited with code 3"]),
+        (lambda: _child_failed((0, -signal.SIGKILL)), 128 + signal.SIGKILL, ["worker rank 0", "was killed by SIGKILL"]),
+        (lambda: _child_failed((2, 7), (0, 1)), 7, ["worker rank 2", "code 7", "and 1 more rank after it"]),
+        (lambda: __import__("torch.distributed.elastic.multiprocessing.api", fromlist=["x"]).SignalException("x", signal.SIGINT),
+         130, ["interrupted by SIGINT; workers stopped"]),
+        (lambda: KeyboardInterrupt(), 130, ["interrupted; workers stopped"]),
+        (lambda: __import__("torch.distributed.elastic.rendezvous.api", fromlist=["x"]).RendezvousTimeoutError("timed out"),
+         1, ["rendezvous failed: timed out", "--rdzv-endpoint"]),
+    ],
+    ids=["exit-3", "killed", "first-of-two", "sigint", "keyboard-interrupt", "rendezvous"],
+)
+def test_launch_failures_exit_with_the_workers_code(script: Path, torchrun: TorchrunSpy, raised, code: int, fragments: list[str]) -> None:
+    torchrun.raises = raised()
+    result = cpctl("launch", "--device", "cpu", "--nproc-per-node", "2", "train.py")
+    assert_one_line_error(result, *fragments, code=code)
+
+
+# ----------------------------------------------------------------------------- check and env
+
+
+def test_check_passes_on_a_cpu_profile(script: Path) -> None:
+    result = cpctl("check", "--device", "cpu", "--cp-size", "2")
+    assert result.exit_code == 0, result.output
+    for row in ("profile", "torch >= 2.6", "devices", "backend"):
+        assert row in result.stdout
+    assert "gloo available" in result.stdout and "FAIL" not in result.stdout
+
+
+def test_check_fails_on_a_bad_profile(script: Path) -> None:
+    result = cpctl("check", "--device", "cpu", "--cp-size", "3")
+    assert_one_line_error(result, "not divisible by dp_replicate(1) * cp(3) * tp(1) = 3")
+    assert "FAIL" in result.stdout and "skipped (invalid profile)" in result.stdout
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda path: path.stem)
+def test_every_shipped_profile_passes_static_check(config: Path) -> None:
+    result = cpctl("check", "--static", "--profile", config.stem)
+    assert result.exit_code == 0, result.output
+    assert "--static: validated as on" in result.stdout
+
+
+def test_static_is_what_lets_a_cuda_profile_pass_here() -> None:
+    # isolated hides every GPU: the same profile fails a plain check
+    assert_one_line_error(cpctl("check", "--profile", "cp8-allgather"), "no GPU is visible")
+    result = cpctl("check", "--static", "--profile", "cp8-allgather")
+    assert result.exit_code == 0 and "a node with 8 GPUs (as the profile asks)" in result.stdout
+    # static still catches what is wrong on any machine
+    assert_one_line_error(cpctl("check", "--static", "--profile", "cp8-allgather", "--cp-size", "3"), "!= world size 8")
+
+
+def test_env_reports_versions_devices_backends_and_profile(isolated: Path) -> None:
+    result = cpctl("env")
+    assert result.exit_code == 0, result.output
+    for word in ("versions", "python", "torch", "typer", "devices", "cpu", "backends", "gloo", "built-in defaults"):
+        assert word in result.stdout, word
+    write(isolated / "cpctl.yaml", "parallelism: {cp_size: 2}\n")
+    result = cpctl("env", env={"CPCTL_MAX_RESTARTS": "1"})
+    assert str(isolated / "cpctl.yaml") in result.stdout and "CPCTL_MAX_RESTARTS=1" in result.stdout
+    assert "cp 2 = world 2" in result.stdout
+
+
+# ----------------------------------------------------------------------------- config (the wizard)
+
+
+def _wizard_ready() -> bool:
+    try:
+        from cpctl import wizard
+    except ImportError:
+        return False
+    return hasattr(wizard, "run_config")
+
+
+needs_wizard = pytest.mark.skipif(not _wizard_ready(), reason="cpctl.wizard.run_config is not written yet (another engineer's part)")
+
+
+@needs_wizard
+def test_config_yes_writes_a_profile_that_checks(isolated: Path) -> None:
+    result = cpctl("config", "--yes", "--output", "cp.yaml", "--device", "cpu", "--cp-size", "2")
+    assert result.exit_code == 0, result.output
+    assert (isolated / "cp.yaml").is_file()
+    assert cpctl("check", "--config", "cp.yaml").exit_code == 0
+    dry = cpctl("launch", "--dry-run", "--config", "cp.yaml", "--module", "json.tool")
+    assert "cp 2 = world 2" in dry.stdout
+
+
+@needs_wizard
+def test_config_rejects_a_bad_flag_in_one_line(isolated: Path) -> None:
+    assert_one_line_error(cpctl("config", "--yes", "--cp-size", "two"), "two")
+    assert not (isolated / "cpctl.yaml").exists()
