@@ -1,0 +1,246 @@
+"""`cpctl config`: the real questionary prompts, driven through prompt_toolkit's pipe input.
+
+Keys: "\r" Enter, "\x15" Ctrl-U (clears a text prompt's pre-filled default), "\x1b[B" arrow
+down, "\x03" Ctrl-C; a confirm answers on "y"/"n" alone. The machine is pinned (no GPU unless
+a test says otherwise) so the defaults do not depend on the host.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from prompt_toolkit.application import create_app_session
+from prompt_toolkit.input import create_pipe_input
+from prompt_toolkit.output import DummyOutput
+from rich.console import Console
+
+from cpctl import profile as prof
+from cpctl.errors import CpctlError
+from cpctl.wizard import cross_check, run_config
+
+CPU = prof.Machine(cuda_devices=0)
+GPU8 = prof.Machine(cuda_devices=8)
+REPO = Path(__file__).resolve().parents[1]
+ENTER, DOWN, CLEAR, CTRL_C = "\r", "\x1b[B", "\x15", "\x03"
+# device, nnodes, nproc, cp, tp, dp_replicate, dp_shard, strategy, load balance, precision, checkpointing
+QUESTIONS = 11
+
+
+def typed(text: str) -> str:
+    """Replace a text prompt's default with `text` and press Enter."""
+    return CLEAR + text + ENTER
+
+
+def drive(keys: str, *, output: Path, flags: dict[str, str] | None = None,
+          machine: prof.Machine = CPU) -> tuple[int, str]:
+    console = Console(file=io.StringIO(), width=120)
+    with create_pipe_input() as inp, create_app_session(input=inp, output=DummyOutput()):
+        inp.send_text(keys)
+        inp.close()  # input that runs out ends the wizard (EOFError -> 1) instead of hanging the test
+        code = run_config(output=output, assume_yes=False, flags=flags or {}, console=console,
+                          interactive=True, machine=machine)
+    return code, console.file.getvalue()
+
+
+def run_yes(*, output: Path, flags: dict[str, str] | None = None, machine: prof.Machine = CPU) -> tuple[int, str]:
+    console = Console(file=io.StringIO(), width=120)
+    code = run_config(output=output, assume_yes=True, flags=flags or {}, console=console, machine=machine)
+    return code, console.file.getvalue()
+
+
+def resolved(path: Path, machine: prof.Machine = CPU) -> prof.Profile:
+    """What `cpctl launch --config path` resolves the written file to, away from this host's env."""
+    empty = path.parent / "empty"
+    empty.mkdir(exist_ok=True)
+    environ = {"XDG_CONFIG_HOME": str(empty), "HOME": str(empty)}
+    return prof.resolve(config=path, environ=environ, cwd=empty, machine=machine).profile
+
+
+def test_defaults_only_write_a_profile_that_resolves(tmp_path):
+    out = tmp_path / "cpctl.yaml"
+    code, shown = drive(ENTER * QUESTIONS, output=out)
+    assert code == 0
+    assert out.read_text().startswith("# cpctl profile written by `cpctl config`")
+    got = resolved(out)
+    assert (got.launch.device, got.launch.nproc_per_node, got.world_size) == ("cpu", 2, 2)
+    assert (got.parallelism.cp_size, got.parallelism.dp_shard_size) == (2, 1)
+    assert got.parallelism.cp_comm_strategy == "allgather" and got.parallelism.cp_load_balance
+    assert got.fsdp.mixed_precision == "no" and not got.fsdp.activation_checkpointing
+    assert "parallelism.cp_size" in shown and f"cpctl launch --config {out} your_script.py" in shown
+
+
+def test_custom_answers_are_written(tmp_path):
+    out = tmp_path / "p.yaml"
+    keys = (ENTER + ENTER + typed("4")          # device auto, 1 machine, 4 processes
+            + typed("2") + ENTER + ENTER        # cp 2, tp 1, dp_replicate 1
+            + ENTER                             # dp_shard: the computed 4 / (1 * 2 * 1) = 2
+            + DOWN + ENTER                      # alltoall
+            + "n" + DOWN + ENTER + "y")         # no load balance, bf16, checkpointing
+    code, _ = drive(keys, output=out)
+    assert code == 0
+    written = yaml.safe_load(out.read_text())
+    assert written["parallelism"] == {"dp_replicate_size": 1, "dp_shard_size": 2, "cp_size": 2, "tp_size": 1,
+                                      "cp_comm_strategy": "alltoall", "cp_load_balance": False}
+    assert written["fsdp"] == {"mixed_precision": "bf16", "activation_checkpointing": True}
+    assert written["launch"] == {"device": "auto", "nnodes": 1, "nproc_per_node": 4}
+    got = resolved(out)
+    assert got.world_size == 4 and got.parallelism.dp_shard_size == 2
+
+
+def test_bad_answers_are_asked_again(tmp_path):
+    out = tmp_path / "p.yaml"
+    keys = (ENTER + ENTER + typed("4")
+            + typed("3") + typed("0") + typed("two") + typed("2")   # cp 3 does not divide 4; 0, "two" are no sizes
+            + ENTER + ENTER
+            + typed("1") + typed("2")                               # dp_shard 1: 1 * 1 * 2 * 1 != 4
+            + ENTER * 4)
+    code, _ = drive(keys, output=out)
+    assert code == 0
+    got = resolved(out)
+    assert (got.parallelism.cp_size, got.parallelism.dp_shard_size, got.world_size) == (2, 2, 4)
+
+
+def test_several_machines_ask_node_rank_and_endpoint(tmp_path):
+    out = tmp_path / "p.yaml"
+    keys = (ENTER + typed("2")
+            + typed("2") + typed("1")                   # node_rank 2 of 2 machines, then 1
+            + ENTER + typed("node0:29500")              # an endpoint is required
+            + ENTER * (QUESTIONS - 2))
+    code, _ = drive(keys, output=out)
+    assert code == 0
+    got = resolved(out)
+    assert (got.launch.nnodes, got.launch.node_rank, got.launch.rdzv_endpoint) == (2, 1, "node0:29500")
+    assert (got.parallelism.cp_size, got.parallelism.dp_shard_size, got.world_size) == (2, 2, 4)
+
+
+def test_flags_are_not_asked(tmp_path):
+    out = tmp_path / "p.yaml"
+    flags = {"launch.nproc_per_node": "4", "parallelism.cp_size": "4", "parallelism.cp_comm_strategy": "alltoall"}
+    code, shown = drive(ENTER * (QUESTIONS - 3), output=out, flags=flags)
+    assert code == 0 and "From flags" in shown
+    got = resolved(out)
+    assert (got.parallelism.cp_size, got.parallelism.dp_shard_size, got.parallelism.cp_comm_strategy) == (4, 1, "alltoall")
+
+
+def test_device_choices_leave_out_what_the_flags_rule_out(tmp_path):
+    out = tmp_path / "p.yaml"
+    # 16 processes per machine but 8 GPUs: only cpu is offered, and Enter takes it.
+    code, _ = drive(ENTER * (QUESTIONS - 1), output=out, flags={"launch.nproc_per_node": "16"}, machine=GPU8)
+    assert code == 0
+    assert resolved(out, GPU8).launch.device == "cpu"
+
+
+def test_declined_overwrite_keeps_the_file(tmp_path):
+    out = tmp_path / "cpctl.yaml"
+    out.write_text("# mine\n")
+    code, shown = drive(ENTER, output=out)   # the default is No
+    assert code == 1 and out.read_text() == "# mine\n" and "nothing written" in shown
+
+
+def test_accepted_overwrite_replaces_the_file(tmp_path):
+    out = tmp_path / "cpctl.yaml"
+    out.write_text("# mine\n")
+    code, _ = drive("y" + ENTER * QUESTIONS, output=out)
+    assert code == 0 and resolved(out).parallelism.cp_size == 2
+
+
+def test_ctrl_c_exits_130_and_writes_nothing(tmp_path):
+    out = tmp_path / "p.yaml"
+    code, shown = drive(ENTER + ENTER + CTRL_C, output=out)
+    assert code == 130 and not out.exists()
+    assert shown.strip().splitlines() == ["Answers are checked as you go; Enter keeps the shown default.",
+                                          "Interrupted; nothing written."]
+
+
+def test_yes_takes_defaults_and_flags(tmp_path):
+    out = tmp_path / "sub" / "p.yaml"
+    code, shown = run_yes(output=out, flags={"parallelism.cp_size": "4", "fsdp.activation_checkpointing": "true"})
+    assert code == 0 and "your_script.py" in shown
+    got = resolved(out)
+    # 2 processes cannot hold cp 4 on cpu: the default processes per machine grows to 4.
+    assert (got.launch.nproc_per_node, got.parallelism.cp_size, got.parallelism.dp_shard_size) == (4, 4, 1)
+    assert got.fsdp.activation_checkpointing
+
+
+def test_yes_defaults_on_a_gpu_machine_split_each_sequence_over_the_gpus(tmp_path):
+    out = tmp_path / "p.yaml"
+    assert run_yes(output=out, machine=GPU8)[0] == 0
+    got = resolved(out, GPU8)
+    assert (got.launch.device, got.launch.nproc_per_node, got.parallelism.cp_size) == ("cuda", 8, 8)
+    assert got.fsdp.mixed_precision == "bf16"
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"parallelism.cp_size": "x"}, "flag --cp-size: 'x' is not allowed for parallelism.cp_size"),
+    ({"parallelism.cp_comm_strategy": "ring"}, "expected allgather or alltoall"),
+    ({"fsdp.version": "1", "parallelism.cp_size": "2"}, "cp_size 2 needs fsdp.version 2"),
+    ({"launch.nproc_per_node": "4", "parallelism.cp_size": "3"}, "cp(3) = 3 does not divide world size 4"),
+    ({"launch.nnodes": "2"}, "2 machines need a rendezvous endpoint (--rdzv-endpoint)"),
+    ({"launch.device": "cuda"}, "pass --nproc-per-node N"),
+])
+def test_yes_with_bad_flags_raises_and_writes_nothing(tmp_path, flags, message):
+    out = tmp_path / "p.yaml"
+    with pytest.raises(CpctlError, match=None) as info:
+        run_yes(output=out, flags=flags)
+    assert message in str(info.value)
+    assert not out.exists()
+
+
+def test_yes_never_overwrites(tmp_path):
+    out = tmp_path / "cpctl.yaml"
+    out.write_text("# mine\n")
+    with pytest.raises(CpctlError, match="already exists; pass a new --output or delete the file"):
+        run_yes(output=out)
+    assert out.read_text() == "# mine\n"
+
+
+def test_a_profile_for_a_gpu_machine_can_be_written_where_none_is_visible(tmp_path):
+    out = tmp_path / "p.yaml"
+    flags = {"launch.device": "cuda", "launch.nproc_per_node": "8", "parallelism.cp_size": "8"}
+    assert run_yes(output=out, flags=flags, machine=CPU)[0] == 0
+    assert resolved(out, GPU8).parallelism.cp_size == 8
+
+
+def test_cross_check_names_every_factor():
+    answers = {"launch.device": "cpu", "launch.nnodes": 1, "launch.nproc_per_node": 8,
+               "parallelism.dp_replicate_size": 1, "parallelism.dp_shard_size": 2,
+               "parallelism.cp_size": 2, "parallelism.tp_size": 1}
+    assert cross_check(answers, machine=CPU) == (
+        "dp_replicate(1) * dp_shard(2) * cp(2) * tp(1) = 4 != world size 8 (nnodes 1 x nproc_per_node 8); "
+        "dp_shard 4 fits")
+    assert cross_check({**answers, "parallelism.dp_shard_size": 4}, machine=CPU) is None
+    assert cross_check({**answers, "parallelism.dp_shard_size": "auto"}, machine=CPU) is None
+
+
+def test_enter_through_a_real_terminal(tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    out = tmp_path / "cpctl.yaml"
+    driver = ("import sys; from pathlib import Path; from rich.console import Console; "
+              "from cpctl.wizard import run_config; "
+              "sys.exit(run_config(output=Path(sys.argv[1]), assume_yes=False, flags={}, console=Console()))")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
+    child = pexpect.spawn(sys.executable, ["-c", driver, str(out)], cwd=str(REPO), env=env,
+                          encoding="utf-8", timeout=15, dimensions=(40, 120))
+    try:
+        for prompt in ("Device", "Machines", "Processes per machine", "CP size", "TP size", "DP replicate",
+                       "DP shard", "CP comm strategy", "Load balance", "Mixed precision", "Activation checkpointing"):
+            child.expect_exact(prompt)
+            child.send(ENTER)
+        child.expect_exact("Wrote")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 0
+    got = resolved(out)
+    assert (got.parallelism.cp_size, got.world_size) == (2, 2)
+
+
+def test_input_that_ends_early_writes_nothing(tmp_path):
+    out = tmp_path / "p.yaml"
+    code, shown = drive(ENTER * 3, output=out)
+    assert code == 1 and not out.exists() and "Input ended; nothing written." in shown
