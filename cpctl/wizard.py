@@ -16,7 +16,7 @@ import os
 import shlex
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -164,6 +164,7 @@ class _Asker:
         self.answers = answers
         self.machine = machine
         self.interactive = interactive
+        self.q: Any = None
         if interactive:
             import questionary  # here only: `cpctl --help` stays fast
 
@@ -185,7 +186,7 @@ class _Asker:
             return
         # A select cannot re-ask: it offers only the choices the answers so far allow.
         allowed = [value for value in choices
-                   if check_value(path, value, answers=self.answers, machine=self.machine) is None]
+                   if check_value(path, value, answers=self.answers, machine=self.machine) is None] or list(choices)
         options = [self.q.Choice(title=choices[value], value=value) for value in allowed]
         default = default if default in allowed else allowed[0]
         self.answers[path] = self.q.select(message, choices=options, default=default).unsafe_ask()
@@ -203,8 +204,11 @@ class _Asker:
             return False
         error = check_value(path, default, answers=self.answers, machine=self.machine)
         if error is not None:
-            reason = missing if default is None and missing else error
-            raise CpctlError(f"{path} (default {_shown(default)}): {reason}")
+            if default is None and missing:
+                raise CpctlError(f"{path}: {missing}")
+            flag = prof.FIELDS[path].flag
+            hint = "" if flag in error else f"; pass {flag} or change the other flags"
+            raise CpctlError(f"{path} (default {_shown(default)}): {error}{hint}")
         self.answers[path] = default
         return True
 

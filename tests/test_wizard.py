@@ -185,7 +185,7 @@ def test_yes_defaults_on_a_gpu_machine_split_each_sequence_over_the_gpus(tmp_pat
 ])
 def test_yes_with_bad_flags_raises_and_writes_nothing(tmp_path, flags, message):
     out = tmp_path / "p.yaml"
-    with pytest.raises(CpctlError, match=None) as info:
+    with pytest.raises(CpctlError) as info:
         run_yes(output=out, flags=flags)
     assert message in str(info.value)
     assert not out.exists()
@@ -217,15 +217,20 @@ def test_cross_check_names_every_factor():
     assert cross_check({**answers, "parallelism.dp_shard_size": "auto"}, machine=CPU) is None
 
 
-def test_enter_through_a_real_terminal(tmp_path):
+def spawn_in_terminal(output: Path):
+    """run_config in a child process on a real pseudo-terminal (stdin is a TTY: it asks)."""
     pexpect = pytest.importorskip("pexpect")
-    out = tmp_path / "cpctl.yaml"
     driver = ("import sys; from pathlib import Path; from rich.console import Console; "
               "from cpctl.wizard import run_config; "
               "sys.exit(run_config(output=Path(sys.argv[1]), assume_yes=False, flags={}, console=Console()))")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
-    child = pexpect.spawn(sys.executable, ["-c", driver, str(out)], cwd=str(REPO), env=env,
-                          encoding="utf-8", timeout=15, dimensions=(40, 120))
+    return pexpect, pexpect.spawn(sys.executable, ["-c", driver, str(output)], cwd=str(REPO), env=env,
+                                  encoding="utf-8", timeout=15, dimensions=(40, 120))
+
+
+def test_enter_through_a_real_terminal(tmp_path):
+    out = tmp_path / "cpctl.yaml"
+    pexpect, child = spawn_in_terminal(out)
     try:
         for prompt in ("Device", "Machines", "Processes per machine", "CP size", "TP size", "DP replicate",
                        "DP shard", "CP comm strategy", "Load balance", "Mixed precision", "Activation checkpointing"):
@@ -244,3 +249,52 @@ def test_input_that_ends_early_writes_nothing(tmp_path):
     out = tmp_path / "p.yaml"
     code, shown = drive(ENTER * 3, output=out)
     assert code == 1 and not out.exists() and "Input ended; nothing written." in shown
+
+
+def test_cli_config_yes(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cpctl.cli import app
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    out = tmp_path / "x.yaml"
+    result = CliRunner().invoke(app, ["config", "--yes", "--cp-size", "2", "--output", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "cpctl launch --config" in result.output
+    assert resolved(out).parallelism.cp_size == 2
+
+
+def test_cli_config_without_a_tty_takes_defaults_and_refuses_bad_flags(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cpctl.cli import app
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    out = tmp_path / "x.yaml"
+    runner = CliRunner()
+    # CliRunner's stdin is no terminal: no question is asked, as under --yes.
+    assert runner.invoke(app, ["config", "--output", str(out)]).exit_code == 0
+    assert resolved(out).world_size == 2
+    again = runner.invoke(app, ["config", "--output", str(out)])
+    assert again.exit_code == 2 and "already exists" in again.output
+    bad = runner.invoke(app, ["config", "--cp-size", "3", "--nproc-per-node", "4", "--output", str(tmp_path / "y.yaml")])
+    assert bad.exit_code == 2 and "cp(3) = 3 does not divide world size 4" in bad.output
+    assert "Traceback" not in bad.output and not (tmp_path / "y.yaml").exists()
+
+
+def test_a_real_terminal_shows_why_an_answer_is_refused_and_ctrl_c_exits_130(tmp_path):
+    out = tmp_path / "cpctl.yaml"
+    pexpect, child = spawn_in_terminal(out)
+    try:
+        for prompt in ("Device", "Machines", "Processes per machine"):
+            child.expect_exact(prompt)
+            child.send(ENTER)
+        child.expect_exact("CP size")
+        child.send(typed("3"))
+        child.expect_exact("cp(3) = 3 does not divide world size 2 (nnodes 1 x nproc_per_node 2)")
+        child.send(CTRL_C)
+        child.expect_exact("Interrupted; nothing written.")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert child.exitstatus == 130 and not out.exists()
