@@ -12,10 +12,9 @@ import contextlib
 import difflib
 import functools
 import inspect
-import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -25,6 +24,9 @@ from rich.table import Table
 from cpctl import __version__
 from cpctl.errors import CpctlError
 from cpctl.profile import FIELDS, FieldSpec
+
+if TYPE_CHECKING:
+    from cpctl.launcher import Plan
 
 app = typer.Typer(
     name="cpctl",
@@ -58,7 +60,7 @@ def _flag_parameter(spec: FieldSpec) -> inspect.Parameter:
         show_default=False,
     )
     return inspect.Parameter(
-        _param_name(spec), inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[Optional[str], option]
+        _param_name(spec), inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[str | None, option]
     )
 
 
@@ -124,10 +126,10 @@ def _root(
 
 
 ConfigOption = Annotated[
-    Optional[Path], typer.Option("--config", "-c", help="Profile YAML file.", show_default=False, rich_help_panel="Profile")
+    Path | None, typer.Option("--config", "-c", help="Profile YAML file.", show_default=False, rich_help_panel="Profile")
 ]
 ProfileOption = Annotated[
-    Optional[str],
+    str | None,
     typer.Option(
         "--profile", "-p", help="Named profile: ./configs/NAME.yaml, the user config dir, or one shipped with cpctl.",
         show_default=False, rich_help_panel="Profile",
@@ -159,8 +161,8 @@ def config(
 @profile_flags
 def launch(
     *,
-    script: Annotated[Optional[str], typer.Argument(metavar="SCRIPT", help="Training script (a module name with -m).", show_default=False)] = None,
-    args: Annotated[Optional[list[str]], typer.Argument(metavar="ARGS", help="Passed to the script unchanged.", show_default=False)] = None,
+    script: Annotated[str | None, typer.Argument(metavar="SCRIPT", help="Training script (a module name with -m).", show_default=False)] = None,
+    args: Annotated[list[str] | None, typer.Argument(metavar="ARGS", help="Passed to the script unchanged.", show_default=False)] = None,
     module: Annotated[bool, typer.Option("--module", "-m", help="SCRIPT is a module name, run as `python -m`.")] = False,
     config: ConfigOption = None,
     profile: ProfileOption = None,
@@ -171,7 +173,8 @@ def launch(
 
     cpctl options go before SCRIPT; everything after SCRIPT goes to the script.
     """
-    from cpctl import launcher, profile as profiles
+    from cpctl import launcher
+    from cpctl import profile as profiles
 
     script_args = list(args or [])
     with user_errors():
@@ -249,7 +252,7 @@ def env() -> None:
 # ----------------------------------------------------------------------------- dry run
 
 
-def _print_plan(plan: Any) -> None:
+def _print_plan(plan: Plan) -> None:
     from cpctl.envinfo import describe
     from cpctl.layout import MESH_AXES, mesh_table
 
