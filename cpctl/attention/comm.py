@@ -44,12 +44,15 @@ def wait_all(requests: list) -> None:
 
 def all_gather_async(output: torch.Tensor, local: torch.Tensor, group: dist.ProcessGroup):
     """Gather `local` from every rank into `output` (ranks stacked along dim 0)."""
-    if hasattr(dist, "all_gather_into_tensor"):
-        # gloo wants the ranks concatenated along dim 0, not stacked in a new dim.
-        return dist.all_gather_into_tensor(output.flatten(0, 1), local, group=group, async_op=True)
-    return dist.all_gather(list(output.unbind(0)), local, group=group, async_op=True)
+    # gloo wants the ranks concatenated along dim 0, not stacked in a new dim.
+    return _all_gather_single(output.flatten(0, 1), local, group=group, async_op=True)
 
 
 def reduce_scatter_sum_async(output: torch.Tensor, stacked: torch.Tensor, group: dist.ProcessGroup):
     """Sum `stacked` (ranks along dim 0) over the group; this rank keeps its own slice."""
-    return dist.reduce_scatter_tensor(output, stacked.flatten(0, 1), op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _reduce_scatter_single(output, stacked.flatten(0, 1), op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+# torch 2.13 renamed these (the old names warn); torch 2.6-2.12 have only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -1,0 +1,73 @@
+"""Route `torch.nn.functional.scaled_dot_product_attention` to the CP engine, for a while.
+
+A TorchFunctionMode sees every SDPA call, however the caller spelled it (a Hugging Face
+model looks the function up at call time; other code may have imported it by name), and
+only inside the `with` block, only on this thread: nothing process-global is patched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from cpctl.errors import CpctlError
+
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def _bind(args, kwargs) -> dict:
+    bound = dict(zip(_SDPA_PARAMS, args))
+    bound.update(kwargs)
+    bound.setdefault("attn_mask", None)
+    bound.setdefault("dropout_p", 0.0)
+    bound.setdefault("is_causal", False)
+    bound.setdefault("scale", None)
+    bound.setdefault("enable_gqa", False)
+    return bound
+
+
+def is_causal_mask(mask: torch.Tensor, q_len: int, k_len: int) -> bool:
+    """True if `mask` (bool, or additive 0/-inf) allows exactly the lower triangle, for every batch and head."""
+    if mask.shape[-2:] != (q_len, k_len) or q_len != k_len:
+        return False
+    allowed = mask if mask.dtype == torch.bool else mask == 0
+    lower = torch.ones(q_len, k_len, dtype=torch.bool, device=mask.device).tril()
+    return bool((allowed == lower).all())
+
+
+class RouteSDPA(TorchFunctionMode):
+    """Inside: SDPA calls go to `attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)`."""
+
+    def __init__(self, attention: Callable[..., torch.Tensor]):
+        super().__init__()
+        self.attention = attention
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        call = _bind(args, kwargs)
+        q, k = call["query"], call["key"]
+        is_causal = bool(call["is_causal"])
+        mask = call["attn_mask"]
+        if mask is not None:
+            # A model handing SDPA an explicit causal mask (some Hugging Face paths do) means
+            # plain causal attention; any other mask (padding, packing, sliding windows)
+            # cannot be sharded by position and would be silently wrong.
+            if is_causal or not is_causal_mask(mask, q.shape[-2], k.shape[-2]):
+                raise CpctlError(
+                    "scaled_dot_product_attention got a tensor attn_mask under context parallelism; "
+                    "CP supports causal or full attention only: pass attn_mask=None (with is_causal=True "
+                    "for causal), e.g. Hugging Face models without padding in the batch"
+                )
+            is_causal = True
+        if call["dropout_p"]:
+            raise CpctlError(
+                f"scaled_dot_product_attention with dropout_p={call['dropout_p']} under context parallelism; "
+                "attention dropout is not supported with CP: set it to 0 (model.config.attention_dropout = 0.0)"
+            )
+        return self.attention(q, k, call["value"], is_causal=is_causal, scale=call["scale"],
+                              enable_gqa=bool(call["enable_gqa"]))

@@ -1,0 +1,65 @@
+"""Turning a plain model into a parallel one: tensor parallelism, activation checkpointing, FSDP2.
+
+Order matters and follows torchtitan: TP first (it rewrites Linear weights into DTensors on
+the tp axis), then activation checkpointing around each block, then FSDP2 `fully_shard` on
+every transformer block and finally the root, over the (dp_replicate,) dp_shard*cp axes.
+CP ranks hold different tokens of the same sequences, so for FSDP they are data-parallel
+ranks: parameters are sharded over them too.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from cpctl.errors import CpctlError
+from cpctl.profile import Fsdp
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks: the children of the largest nn.ModuleList in the model."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not lists:
+        return []
+    return list(max(lists, key=lambda m: sum(p.numel() for p in m.parameters())))
+
+
+def apply_tensor_parallel(model: nn.Module, *, tp_mesh: DeviceMesh, tp_plan: dict | None) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = tp_plan if tp_plan is not None else getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if not plan:
+        raise CpctlError(
+            f"tp_size is {tp_mesh.size()} but the model has no tensor-parallel plan; pass "
+            "rt.prepare_model(model, tp_plan={'layers.*.attn.q_proj': ColwiseParallel(), ...}) or set tp_size: 1"
+        )
+    if any(isinstance(style, str) for style in plan.values()):
+        raise CpctlError("the model's base_model_tp_plan names styles as strings; pass tp_plan= with "
+                         "ParallelStyle objects (ColwiseParallel(), RowwiseParallel())")
+    parallelize_module(model, tp_mesh, plan)
+
+
+def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for parent in model.modules():
+        for name, child in list(parent.named_children()):
+            if any(child is block for block in blocks):
+                parent.register_module(name, checkpoint_wrapper(child, preserve_rng_state=False))
+
+
+def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[nn.Module]) -> None:
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch 2.6 keeps FSDP2 here
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+
+    param_dtype = _DTYPES.get(fsdp.mixed_precision)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    for block in blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
+    # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
