@@ -9,6 +9,10 @@ ranks: parameters are sharded over them too.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -42,13 +46,26 @@ def apply_tensor_parallel(model: nn.Module, *, tp_mesh: DeviceMesh, tp_plan: dic
     parallelize_module(model, tp_mesh, plan)
 
 
-def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module) -> None:
+def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module, *,
+                                   recompute_context: Callable[[], AbstractContextManager]) -> None:
+    """Wrap each block so its activations are recomputed in backward.
+
+    `recompute_context()` is called during the forward and entered around the recompute:
+    the recompute runs inside backward, where the forward's SDPA routing is no longer
+    active, and must compute attention the same way (across the CP group) again.
+    """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for parent in model.modules():
-        for name, child in list(parent.named_children()):
-            if any(child is block for block in blocks):
-                parent.register_module(name, checkpoint_wrapper(child, preserve_rng_state=False))
+    def context_fn():
+        return contextlib.nullcontext(), recompute_context()
+
+    # Find every (parent, name) first: wrapping while walking the tree would find each
+    # block again inside its own wrapper.
+    slots = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+             if any(child is block for block in blocks)]
+    for parent, name in slots:
+        parent.register_module(name, checkpoint_wrapper(getattr(parent, name), preserve_rng_state=False,
+                                                        context_fn=context_fn))
 
 
 def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[nn.Module]) -> None:

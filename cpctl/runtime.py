@@ -46,6 +46,7 @@ class Runtime:
     mesh: DeviceMesh
     device: torch.device
     axes: dict[str, DeviceMesh]  # every axis by name, flattened ones included
+    _cp_active: bool = False  # inside maybe_context_parallel
 
     # ------------------------------------------------------------------ coordinates
 
@@ -100,11 +101,15 @@ class Runtime:
             apply_tensor_parallel(model, tp_mesh=self.axes["tp"], tp_plan=tp_plan)
         found = list(blocks) if blocks is not None else find_blocks(model)
         if self.config.fsdp.activation_checkpointing:
-            apply_activation_checkpointing(found, model)
+            apply_activation_checkpointing(found, model, recompute_context=self._recompute_context)
             found = find_blocks(model) if blocks is None else found
         if self.config.fsdp.version == 2:
             apply_fsdp(model, mesh=self._fsdp_mesh(), fsdp=self.config.fsdp, blocks=found)
         return model
+
+    def _recompute_context(self) -> contextlib.AbstractContextManager:
+        """Called in a checkpointed block's forward: route its recompute as the forward was routed."""
+        return RouteSDPA(self.attention) if self._cp_active else contextlib.nullcontext()
 
     def _fsdp_mesh(self) -> DeviceMesh:
         if self.config.parallelism.dp_replicate_size > 1:
@@ -164,10 +169,12 @@ class Runtime:
                 keep = not any(buffer is t for t in no_restore)
                 originals.append(_alias(buffer) if keep else None)
                 buffer.set_(local)
+        self._cp_active = True
         try:
             with RouteSDPA(self.attention):
                 yield
         finally:
+            self._cp_active = False
             with torch.no_grad():
                 for buffer, original in zip(buffers, originals):
                     if original is not None:
