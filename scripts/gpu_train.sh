@@ -17,7 +17,7 @@ a, b = (json.load(open(f"{sys.argv[1]}/losses_cp{n}.json"))["losses"] for n in (
 print("NCCL fp32 losses 1 GPU :", [round(x, 5) for x in a])
 print("NCCL fp32 losses cp=2  :", [round(x, 5) for x in b], "max diff", max(abs(x - y) for x, y in zip(a, b)))
 PY
-python -m cpctl launch --device cuda --nproc-per-node 1 --cp-size 1 scripts/bench_train.py \
+[ "${SKIP_ONE_GPU:-0}" = 1 ] || python -m cpctl launch --device cuda --nproc-per-node 1 --cp-size 1 scripts/bench_train.py \
   --seqs 32k,64k,128k --probe 192k,256k --out "$out/train_h200x2.jsonl" > "$out/bench_train1.log" 2>&1 || tail -5 "$out/bench_train1.log"
 python -m cpctl launch --device cuda --nproc-per-node 2 --cp-size 2 scripts/bench_train.py \
   --seqs 64k,128k,256k --probe 384k,512k --out "$out/train_h200x2.jsonl" > "$out/bench_train2.log" 2>&1 || tail -5 "$out/bench_train2.log"

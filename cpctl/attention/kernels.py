@@ -153,7 +153,10 @@ def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim
         torch.randn(2, 320, 2, head_dim, device=device, dtype=dtype, generator=gen)[1:, 64:].transpose(1, 2)
         for _ in range(4)
     )
-    with torch.enable_grad():  # may run inside an autograd Function's forward
+    # The first call may come inside an autograd Function's forward, and inside a checkpointed
+    # block: compute the reference with grad on and with identity saved-tensor hooks, so the
+    # checkpoint does not count this side computation among the block's saved tensors.
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
         ref = torch.nn.functional.scaled_dot_product_attention(*ref_inputs, is_causal=True)
         ref.backward(dout.double())
