@@ -70,9 +70,10 @@ class Attention(nn.Module):
     def forward(self, x, position_ids):
         b, s, _ = x.shape
         cfg = self.cfg
-        q = rotary(self.q_proj(x).view(b, s, cfg.n_heads, cfg.head_dim), position_ids, cfg.rope_theta)
-        k = rotary(self.k_proj(x).view(b, s, cfg.n_kv_heads, cfg.head_dim), position_ids, cfg.rope_theta)
-        v = self.v_proj(x).view(b, s, cfg.n_kv_heads, cfg.head_dim)
+        # -1 heads: under tensor parallelism each rank holds a slice of the heads.
+        q = rotary(self.q_proj(x).view(b, s, -1, cfg.head_dim), position_ids, cfg.rope_theta)
+        k = rotary(self.k_proj(x).view(b, s, -1, cfg.head_dim), position_ids, cfg.rope_theta)
+        v = self.v_proj(x).view(b, s, -1, cfg.head_dim)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                              is_causal=True, enable_gqa=cfg.n_kv_heads != cfg.n_heads)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
@@ -91,6 +92,18 @@ class Block(nn.Module):
         x = x + self.attn(self.attn_norm(x), position_ids)
         h = self.mlp_norm(x)
         return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+def tp_plan() -> dict:
+    """Megatron-style tensor parallelism for `Llama`: heads and MLP columns split over tp ranks."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "gate", "up"):
+        plan[f"layers.*.{name}"] = ColwiseParallel()
+    for name in ("attn.o_proj", "down"):
+        plan[f"layers.*.{name}"] = RowwiseParallel()
+    return plan
 
 
 class Llama(nn.Module):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import cpctl
-from llama import PRESETS, Llama, SyntheticSequences
+from llama import PRESETS, Llama, SyntheticSequences, tp_plan
 
 
 def parse_args(argv=None):
@@ -66,7 +66,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every layout
     model = Llama(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    model = rt.prepare_model(model)
+    model = rt.prepare_model(model, tp_plan=tp_plan() if rt.config.parallelism.tp_size > 1 else None)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     data = SyntheticSequences(length=args.steps * args.global_batch, seq_len=args.seq_len,
                               vocab_size=cfg.vocab_size, seed=args.seed)
