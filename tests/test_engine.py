@@ -1,0 +1,86 @@
+"""The CP attention engine against single-process SDPA on the full sequence (SPEC section 4).
+
+tests/workers/engine_cases.py runs every case under `torch.distributed.run` with gloo on CPU,
+once per world size (2 and 4 processes, a few seconds each), and writes the max abs error of
+the output and of dq/dk/dv per case; each case is then its own test here. fp32 bar: 1e-5.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_launch import launch_env  # the same clean environment the real launches use
+
+WORKER = Path(__file__).resolve().parent / "workers" / "engine_cases.py"
+WORLD_SIZES = (2, 4)
+TOLERANCE = 1e-5  # fp32, SPEC section 4
+TIMEOUT = 180
+
+CASES = [
+    {"strategy": strategy, "causal": causal, "load_balance": load_balance, "q_heads": q_heads, "kv_heads": kv_heads,
+     "batch": batch}
+    for strategy, causal, load_balance, (q_heads, kv_heads), batch in itertools.product(
+        ("allgather", "alltoall"), (True, False), (True, False), ((4, 4), (4, 2), (4, 1)), (1, 2))
+]
+
+
+def case_id(case: dict) -> str:
+    return "-".join([
+        case["strategy"], "causal" if case["causal"] else "full", "balanced" if case["load_balance"] else "plain",
+        f"heads{case['q_heads']}:{case['kv_heads']}", f"batch{case['batch']}",
+    ])
+
+
+def key(case: dict) -> str:
+    return case_id({name: case[name] for name in CASES[0]})
+
+
+@pytest.fixture(scope="module")
+def engine_records(tmp_path_factory: pytest.TempPathFactory):
+    """world size -> {case id: record}; each world size is launched once, on first use."""
+    runs: dict[int, dict | str] = {}
+
+    def get(world: int) -> dict[str, dict]:
+        if world not in runs:
+            tmp = tmp_path_factory.mktemp(f"engine{world}")
+            out = tmp / "cases.jsonl"
+            proc = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+                 str(WORKER), str(out)],
+                cwd=tmp, env=launch_env(tmp), check=False, capture_output=True, text=True, timeout=TIMEOUT,
+            )
+            if proc.returncode != 0 or not out.exists():
+                runs[world] = f"engine worker, {world} processes, exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
+            else:
+                lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+                runs[world] = {key(record): record for record in lines} | {"__count__": len(lines)}
+        if isinstance(runs[world], str):
+            pytest.fail(runs[world])
+        return runs[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_the_worker_ran_every_case(engine_records, world: int) -> None:
+    records = engine_records(world)
+    assert records["__count__"] == len(CASES)  # a worker that skips or repeats cases fails here
+    assert sorted(k for k in records if k != "__count__") == sorted(case_id(case) for case in CASES)
+    for record in (records[case_id(case)] for case in CASES):
+        assert (record["world"], record["dtype"]) == (world, "float32")
+        assert record["seq"] % (2 * world) == 0
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_matches_single_process_sdpa(engine_records, world: int, case: dict) -> None:
+    record = engine_records(world).get(case_id(case))
+    assert record is not None, f"the worker did not run {case_id(case)} with {world} processes"
+    errors = record["errors"]
+    assert sorted(errors) == ["dk", "dq", "dv", "out"]
+    assert all(error <= TOLERANCE for error in errors.values()), errors
