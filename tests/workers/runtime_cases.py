@@ -1,0 +1,376 @@
+"""Worker for tests/test_runtime.py: the runtime API of SPEC section 3, measured in real processes.
+
+    cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 tests/workers/runtime_cases.py OUT.json
+    python tests/workers/runtime_cases.py OUT.json        # a world of one: cp 1, everything a no-op
+
+Every rank runs every case (cases use collectives, so all ranks must take the same path); a case
+records plain numbers and messages, or the traceback it died with, and the next case still runs.
+Rank 0 writes {"world": N, "ranks": [{case: result}, ...]} to OUT.json. The assertions live
+in the test; this file only measures, against references computed the simple way (one
+process, the full sequence).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import sys
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.functional import scaled_dot_product_attention as sdpa_by_name  # imported by name on purpose
+
+import cpctl
+from cpctl.attention import ChunkLayout, context_parallel_attention, shard
+from cpctl.runtime import Runtime
+
+
+def randn(seed: int, *shape: int) -> torch.Tensor:
+    """The same tensor on every rank."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    assert a.shape == b.shape, (tuple(a.shape), tuple(b.shape))
+    return (a.detach().double() - b.detach().double()).abs().max().item()
+
+
+def variant(rt: Runtime, **parallelism) -> Runtime:
+    """A second Runtime on the same mesh with other CP settings (strategy, load balance)."""
+    config = dataclasses.replace(rt.config, parallelism=dataclasses.replace(rt.config.parallelism, **parallelism))
+    return Runtime(config=config, mesh=rt.mesh, device=rt.device, axes=rt.axes)
+
+
+def error_of(action) -> dict:
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - the type is what the test checks
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": None}
+
+
+def entering(runtime: Runtime, **context) -> Callable[[], None]:
+    """An action that enters and leaves maybe_context_parallel(**context) with an empty body."""
+    def run():
+        with runtime.maybe_context_parallel(**context):
+            pass
+    return run
+
+
+class TinyBlock(nn.Module):
+    def __init__(self, *, dim: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, -1, self.head_dim).transpose(1, 2).split(
+            [self.heads, self.kv_heads, self.kv_heads], dim=1)
+        att = sdpa_by_name(q, k, v, is_causal=True, enable_gqa=True)
+        return x + self.out(att.transpose(1, 2).reshape(b, s, -1))
+
+
+class TinyLM(nn.Module):
+    """Embeddings indexed by true positions, GQA attention through SDPA (imported by name), a head."""
+
+    def __init__(self, *, vocab: int = 32, dim: int = 16, heads: int = 4, kv_heads: int = 2, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(64, dim)
+        self.layers = nn.ModuleList(TinyBlock(dim=dim, heads=heads, kv_heads=kv_heads) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids) + self.pos(position_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+# ---------------------------------------------------------------------------------------- cases
+
+
+def case_attributes(rt: Runtime) -> dict:
+    flattened = {}
+    for name in ("dp", "dp_shard_cp", "dp_cp"):
+        try:
+            flattened[name] = rt.mesh[name].size()
+        except Exception as exc:  # noqa: BLE001
+            flattened[name] = f"{type(exc).__name__}: {exc}"
+    return {
+        "rank": rt.rank, "world_size": rt.world_size, "cp_size": rt.cp_size, "cp_rank": rt.cp_rank,
+        "dp_size": rt.dp_size, "dp_rank": rt.dp_rank, "is_main": rt.is_main, "device": str(rt.device),
+        "config_cp_size": rt.config.parallelism.cp_size, "strategy": rt.config.parallelism.cp_comm_strategy,
+        "load_balance": rt.config.parallelism.cp_load_balance,
+        "mesh_dim_names": list(rt.mesh.mesh_dim_names), "mesh_shape": list(rt.mesh.shape),
+        "flattened_sizes": flattened,
+        "init_again_is_same": cpctl.init() is rt,
+    }
+
+
+def case_bad_inputs(rt: Runtime) -> dict:
+    rt_plain = variant(rt, cp_load_balance=False)
+    q = randn(1, 1, 4, 4, 8)  # a (batch, heads, local seq 4, head_dim) shard: S = 8 for cp 2
+    ids = torch.arange(8).view(1, 8)
+    results: dict[str, dict] = {}
+
+    def inside(action, *, runtime=rt):
+        def run():
+            with runtime.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1]):
+                action()
+        return run
+
+    local = q.shape[2]
+    padding_mask = torch.ones(local, local, dtype=torch.bool).tril()
+    padding_mask[:, 0] = False  # a left-padded row: not plain causal attention
+    results["seq_len_load_balance"] = error_of(entering(rt, buffers=[torch.arange(6).view(1, 6)], buffer_seq_dims=[1]))
+    results["seq_len_no_balance"] = error_of(
+        entering(rt_plain, buffers=[torch.arange(5).view(1, 5)], buffer_seq_dims=[1]))
+    results["sdpa_full_mask"] = error_of(inside(lambda: F.scaled_dot_product_attention(
+        q, q, q, attn_mask=torch.ones(local, local, dtype=torch.bool))))
+    results["sdpa_padding_mask"] = error_of(inside(lambda: F.scaled_dot_product_attention(
+        q, q, q, attn_mask=padding_mask)))
+    results["sdpa_additive_window_mask"] = error_of(inside(lambda: F.scaled_dot_product_attention(
+        q, q, q, attn_mask=torch.zeros(local, local).masked_fill(
+            ~torch.ones(local, local, dtype=torch.bool).tril().triu(-1), float("-inf")))))
+    results["sdpa_dropout"] = error_of(inside(lambda: F.scaled_dot_product_attention(
+        q, q, q, dropout_p=0.1, is_causal=True)))
+    results["no_restore_not_subset"] = error_of(
+        entering(rt, buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={torch.arange(8).view(1, 8)}))
+    results["buffer_requires_grad"] = error_of(
+        entering(rt, buffers=[ids, torch.zeros(1, 8, requires_grad=True)], buffer_seq_dims=[1, 1]))
+    results["buffers_vs_seq_dims"] = error_of(entering(rt, buffers=[ids, ids.clone()], buffer_seq_dims=[1]))
+    results["gqa_without_enable_gqa"] = error_of(lambda: rt.attention(q, q[:, :2], q[:, :2], is_causal=True))
+    results["ids_after_errors"] = ids.tolist()  # errors inside the context still restore the buffers
+
+    # A rejected call leaves no buffer half-sharded: the good first buffer keeps its full length.
+    good = torch.arange(8).view(1, 8)
+    results["mixed_lengths"] = error_of(
+        entering(rt, buffers=[good, torch.arange(6).view(1, 6)], buffer_seq_dims=[1, 1]))
+    results["good_buffer_after_mixed_lengths"] = good.tolist()
+    return results
+
+
+def case_causal_mask_accepted(rt: Runtime) -> dict:
+    """A Hugging Face style explicit causal mask (bool or additive) means is_causal=True."""
+    b, h, s, d = 2, 4, 16, 8
+    q, k, v = (randn(seed, b, h, s, d) for seed in (10, 11, 12))
+    reference = rt.shard(F.scaled_dot_product_attention(q, k, v, is_causal=True), 2)
+    ids = torch.zeros(b, s, dtype=torch.long)
+    local = s // rt.cp_size
+    tril = torch.ones(local, local, dtype=torch.bool).tril()
+    additive = torch.zeros(b, 1, local, local).masked_fill(~tril, torch.finfo(torch.float32).min)
+    qs, ks, vs = (rt.shard(t, 2) for t in (q, k, v))
+    with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1]):
+        causal = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        with_bool = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=tril)
+        with_additive = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=additive)
+    return {"causal_vs_reference": max_err(causal, reference), "bool_vs_causal": max_err(with_bool, causal),
+            "additive_vs_causal": max_err(with_additive, causal)}
+
+
+def case_buffers(rt: Runtime) -> dict:
+    ids = torch.arange(16).view(2, 8)  # row r holds 8r .. 8r+7
+    feats = torch.arange(48, dtype=torch.float32).view(2, 3, 8)  # sequence along dim 2
+    pos = cpctl.position_ids_like(ids)
+    ids_storage = ids.untyped_storage().data_ptr()
+    with rt.maybe_context_parallel(buffers=[ids, feats, pos], buffer_seq_dims=[1, -1, 1], no_restore_buffers={pos}):
+        inside = {"ids": ids.tolist(), "feats": feats.tolist(), "pos": pos.tolist()}
+    return {
+        "inside": inside,
+        "after": {"ids": ids.tolist(), "feats": feats.tolist(), "pos": pos.tolist()},
+        "ids_storage_back": ids.untyped_storage().data_ptr() == ids_storage,
+    }
+
+
+def case_shard_unshard(rt: Runtime) -> dict:
+    x = randn(20, 2, 8, 3)
+    tokens = torch.arange(16).view(2, 8)
+    y = randn(21, 2, 3, 8)
+    shard_y = rt.shard(y, -1)
+    return {
+        "roundtrip_dim1": max_err(rt.unshard(rt.shard(x, 1), 1), x),
+        "roundtrip_last_dim": max_err(rt.unshard(shard_y, -1), y),
+        "shard_tokens": rt.shard(tokens, 1).tolist(),
+        "tokens_untouched": tokens.tolist() == torch.arange(16).view(2, 8).tolist(),
+        "shard_is_new_tensor": rt.cp_size == 1 or shard_y.untyped_storage().data_ptr() != y.untyped_storage().data_ptr(),
+    }
+
+
+def case_functional_attention(rt: Runtime) -> dict:
+    """rt.attention on rt.shard-ed q/k/v = the shards of full SDPA, forward and backward."""
+    results = {}
+    runtimes = {"allgather_balanced": rt, "alltoall_plain": variant(rt, cp_comm_strategy="alltoall", cp_load_balance=False),
+                "alltoall_balanced": variant(rt, cp_comm_strategy="alltoall")}
+    for label, runtime in runtimes.items():
+        for causal in (True, False):
+            for q_heads, kv_heads in ((4, 4), (4, 2), (4, 1)):
+                b, s, d = 2, 16, 8
+                q, dout = randn(30, b, q_heads, s, d), randn(31, b, q_heads, s, d)
+                k, v = randn(32, b, kv_heads, s, d), randn(33, b, kv_heads, s, d)
+                gqa = q_heads != kv_heads
+                full = [t.clone().requires_grad_() for t in (q, k, v)]
+                ref = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=gqa)
+                ref.backward(dout)
+                local = [runtime.shard(t, 2).requires_grad_() for t in (q, k, v)]
+                out = runtime.attention(*local, is_causal=causal, enable_gqa=gqa)
+                out.backward(runtime.shard(dout, 2))
+                errors = {"out": max_err(out, runtime.shard(ref, 2)),
+                          "unshard(out)": max_err(runtime.unshard(out, 2), ref)}  # out is seq-major, not contiguous
+                for name, mine, theirs in zip("qkv", local, full):
+                    errors[f"d{name}"] = max_err(mine.grad, runtime.shard(theirs.grad, 2))
+                results[f"{label}/causal={causal}/heads={q_heads}:{kv_heads}"] = errors
+    return results
+
+
+def case_model_in_context(rt: Runtime) -> dict:
+    """A user model's SDPA inside the context gives, once unsharded, the full-sequence logits."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    ids_full = torch.randint(32, (2, 16), generator=torch.Generator().manual_seed(40))
+    reference = model(ids_full, cpctl.position_ids_like(ids_full))
+    results = {}
+    for label, runtime in (("rt", rt), ("alltoall_plain", variant(rt, cp_comm_strategy="alltoall", cp_load_balance=False)),
+                           ("rt_again", rt)):
+        ids, pos = ids_full.clone(), cpctl.position_ids_like(ids_full)
+        with runtime.maybe_context_parallel(buffers=[ids, pos], buffer_seq_dims=[1, 1], no_restore_buffers={ids, pos}):
+            logits = model(ids, pos)
+        results[label] = {"error": max_err(runtime.unshard(logits, 1), reference), "local_len": logits.shape[1]}
+    # Outside the context SDPA is plain again: the full sequence, unsharded.
+    results["after_exit"] = max_err(model(ids_full, cpctl.position_ids_like(ids_full)), reference)
+    return results
+
+
+def case_token_mean(rt: Runtime) -> dict:
+    b, s = 2, 16
+    per_token = randn(50, b, s).abs()
+    labels = cpctl.shift_labels(torch.randint(32, (b, s), generator=torch.Generator().manual_seed(51)))
+    labels[0, :5] = -100  # the first chunk's owner has fewer tokens: weighting by tokens matters
+    kept = labels != -100
+    expected = (per_token * kept).sum() / kept.sum()
+    weight = torch.ones((), requires_grad=True)
+    with rt.maybe_context_parallel(buffers=[labels, per_token], buffer_seq_dims=[1, 1],
+                                   no_restore_buffers={labels, per_token}):
+        loss_sum = (weight * per_token * (labels != -100)).sum()
+        loss = rt.token_mean(loss_sum, labels)
+        loss.backward()
+    return {"value": loss.item(), "expected": expected.item(), "local_tokens": int((labels != -100).sum()),
+            "weight_grad": weight.grad.item(), "averaging": rt.axes["dp_cp"].size()}
+
+
+def case_fsdp_gradients(rt: Runtime) -> dict:
+    """prepare_model + context + token_mean + backward = single-process gradients of the token mean."""
+    torch.manual_seed(1)
+    model = TinyLM()
+    reference_model = copy.deepcopy(model)
+    ids_full = torch.randint(32, (2, 16), generator=torch.Generator().manual_seed(60))
+    labels_full = cpctl.shift_labels(ids_full)
+    labels_full[1, :6] = -100
+    ref_loss = F.cross_entropy(reference_model(ids_full, cpctl.position_ids_like(ids_full)).flatten(0, 1),
+                               labels_full.flatten(), ignore_index=-100)
+    ref_loss.backward()
+    model = rt.prepare_model(model)
+    ids, labels, pos = ids_full.clone(), labels_full.clone(), cpctl.position_ids_like(ids_full)
+    with rt.maybe_context_parallel(buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1],
+                                   no_restore_buffers={ids, labels, pos}):
+        logits = model(ids, pos)
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        loss = rt.token_mean(loss_sum, labels)
+        loss.backward()
+    reference_grads = dict(reference_model.named_parameters())
+    errors, largest = {}, 0.0
+    for name, param in model.named_parameters():
+        grad = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        errors[name] = max_err(grad, reference_grads[name].grad)
+        largest = max(largest, reference_grads[name].grad.abs().max().item())
+    return {"loss": loss.item(), "reference_loss": ref_loss.item(), "grad_errors": errors,
+            "largest_grad": largest, "num_params": len(reference_grads)}
+
+
+def case_two_groups(rt: Runtime) -> dict:
+    """Two CP groups and layouts in one process, their calls interleaved: both stay right."""
+    other_group = dist.new_group(list(range(dist.get_world_size())))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    setups = {
+        "world_balanced_allgather": (dist.group.WORLD, ChunkLayout(cp_size=world, cp_rank=rank, load_balance=True), "allgather"),
+        "new_group_plain_alltoall": (other_group, ChunkLayout(cp_size=world, cp_rank=rank, load_balance=False), "alltoall"),
+        "new_group_balanced_alltoall": (other_group, ChunkLayout(cp_size=world, cp_rank=rank, load_balance=True), "alltoall"),
+    }
+    b, h, s, d = 1, 4, 16, 8
+    q, k, v, dout = (randn(seed, b, h, s, d) for seed in (70, 71, 72, 73))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*full, is_causal=True)
+    ref.backward(dout)
+    pending = {}
+    for label, (group, layout, strategy) in setups.items():  # every forward first ...
+        local = [shard(t, seq_dim=2, layout=layout).requires_grad_() for t in (q, k, v)]
+        out = context_parallel_attention(*local, group=group, layout=layout, strategy=strategy, is_causal=True)
+        pending[label] = (layout, local, out)
+    results = {}
+    for label, (layout, local, out) in reversed(pending.items()):  # ... then the backwards, in reverse
+        out.backward(shard(dout, seq_dim=2, layout=layout))
+        errors = {"out": max_err(out, shard(ref, seq_dim=2, layout=layout))}
+        for name, mine, theirs in zip("qkv", local, full):
+            errors[f"d{name}"] = max_err(mine.grad, shard(theirs.grad, seq_dim=2, layout=layout))
+        results[label] = errors
+    return results
+
+
+def case_dataloader(rt: Runtime) -> dict:
+    data = [{"index": i} for i in range(8)]
+    loader = rt.prepare_dataloader(data, batch_size=2, shuffle=True)
+    return {"batches": [batch["index"].tolist() for batch in loader]}
+
+
+def case_single_process_noop(rt: Runtime) -> dict:
+    """World of one: the context shards nothing, routes nothing; shard/unshard are identities."""
+    ids = torch.arange(6).view(1, 6)  # 6 is no multiple of 4: nothing to divide with cp 1
+    storage = ids.untyped_storage().data_ptr()
+    q, k, v = (randn(seed, 1, 2, 6, 8) for seed in (80, 81, 82))
+    window = torch.ones(6, 6, dtype=torch.bool).tril().triu(-1)  # a mask CP would reject
+    outside = F.scaled_dot_product_attention(q, k, v, attn_mask=window)
+    with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={ids}):
+        inside_ids = ids.tolist()
+        inside = F.scaled_dot_product_attention(q, k, v, attn_mask=window)
+        loss = rt.token_mean(torch.tensor(12.0), torch.tensor([[1, 2, -100, 3]]))
+    return {
+        "inside_ids": inside_ids, "same_storage": ids.untyped_storage().data_ptr() == storage,
+        "masked_sdpa_error": max_err(inside, outside), "token_mean": loss.item(),
+        "shard_is_identity": rt.shard(q, 2) is q, "unshard_is_identity": rt.unshard(q, 2) is q,
+        "attention_error": max_err(rt.attention(q, k, v, is_causal=True),
+                                   F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+    }
+
+
+CP_CASES = [case_attributes, case_bad_inputs, case_causal_mask_accepted, case_buffers, case_shard_unshard,
+            case_functional_attention, case_model_in_context, case_token_mean, case_fsdp_gradients,
+            case_two_groups, case_dataloader]
+SINGLE_CASES = [case_attributes, case_single_process_noop, case_shard_unshard, case_token_mean]
+
+
+def main() -> None:
+    output = sys.argv[1]
+    rt = cpctl.init()
+    results = {}
+    for case in CP_CASES if rt.world_size > 1 else SINGLE_CASES:
+        name = case.__name__.removeprefix("case_")
+        try:
+            results[name] = case(rt)
+        except Exception:  # noqa: BLE001 - recorded; the test shows it
+            results[name] = {"crashed": traceback.format_exc()}
+    gathered = [None] * rt.world_size
+    dist.all_gather_object(gathered, results)
+    if rt.is_main:
+        with open(output, "w") as f:
+            json.dump({"world": rt.world_size, "ranks": gathered}, f)
+
+
+if __name__ == "__main__":
+    main()
