@@ -1,0 +1,87 @@
+"""End to end: scripts/train_llama.py under `cpctl launch` gives the losses of one plain process.
+
+The reference is `python scripts/train_llama.py` (a world of one, no CP). Every layout below
+must reproduce its per-step losses within 1e-4. A second reference with --lr 0 shows the
+comparison is about training: from step 1 on its losses are far from the trained ones, so a
+layout whose gradients or optimizer steps were wrong could not match. Each launch costs
+seconds (an `import torch` per process), so the runs are few and shared by the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_launch import REPO, cpctl, finish, launch_env  # real launches, as tests/test_launch.py does them
+
+SCRIPT = REPO / "scripts" / "train_llama.py"
+TRAIN_ARGS = ("--preset", "tiny", "--steps", "4", "--seq-len", "64", "--global-batch", "2")
+TOLERANCE = 1e-4
+
+LAYOUTS = {
+    "cp2": ("--nproc-per-node", "2", "--cp-size", "2"),
+    "cp4": ("--nproc-per-node", "4", "--cp-size", "4"),
+    "dp2-cp2": ("--nproc-per-node", "4", "--cp-size", "2", "--dp-shard-size", "2"),
+    "cp2-alltoall": ("--nproc-per-node", "2", "--cp-size", "2", "--cp-comm-strategy", "alltoall"),
+}
+EXPECTED_SIZES = {"cp2": (2, 2, 1), "cp4": (4, 4, 1), "dp2-cp2": (4, 2, 2), "cp2-alltoall": (2, 2, 1)}
+
+
+def plain_run(tmp: Path, *extra: str) -> dict:
+    out = tmp / "losses.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), *TRAIN_ARGS, *extra, "--losses-out", str(out)],
+                          cwd=tmp, env=launch_env(tmp), check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return plain_run(tmp_path_factory.mktemp("train_reference"))
+
+
+@pytest.fixture(scope="module")
+def untrained(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    return plain_run(tmp_path_factory.mktemp("train_lr0"), "--lr", "0")
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory):
+    """layout name -> the run's losses file; each layout is launched once, on first use."""
+    runs: dict[str, dict | str] = {}
+
+    def get(layout: str) -> dict:
+        if layout not in runs:
+            tmp = tmp_path_factory.mktemp(f"train_{layout}")
+            out = tmp / "losses.json"
+            code, stdout, stderr = finish(cpctl("--device", "cpu", *LAYOUTS[layout], str(SCRIPT), *TRAIN_ARGS,
+                                                "--losses-out", str(out), tmp_path=tmp))
+            runs[layout] = json.loads(out.read_text()) if code == 0 and out.exists() else \
+                f"cpctl launch {layout} exited {code}:\n{stdout}\n{stderr}"
+        if isinstance(runs[layout], str):
+            pytest.fail(runs[layout])
+        return runs[layout]
+
+    return get
+
+
+def test_the_reference_trains(reference: dict, untrained: dict) -> None:
+    losses, frozen = reference["losses"], untrained["losses"]
+    assert (reference["world"], reference["cp"], reference["dp"]) == (1, 1, 1)
+    assert len(losses) == len(frozen) == 4
+    assert len(set(losses)) == len(losses)  # the loss changes from step to step
+    assert losses[0] == frozen[0]  # same weights, same first batch
+    # after the first update the losses move far more than the tolerance used below
+    assert all(abs(trained - still) > 100 * TOLERANCE for trained, still in zip(losses[1:], frozen[1:]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_launched_losses_equal_the_single_process_losses(launched, reference: dict, layout: str) -> None:
+    run = launched(layout)
+    assert (run["world"], run["cp"], run["dp"]) == EXPECTED_SIZES[layout]
+    assert len(run["losses"]) == len(reference["losses"])
+    for step, (got, want) in enumerate(zip(run["losses"], reference["losses"])):
+        assert abs(got - want) <= TOLERANCE, f"step {step}: {got} vs {want} (all: {run['losses']})"
