@@ -164,8 +164,9 @@ class Runtime:
             return
         originals = []
         with torch.no_grad():
-            for buffer, seq_dim in zip(buffers, buffer_seq_dims):
-                local = sharding.shard(buffer, seq_dim=seq_dim, layout=self.layout)
+            # Every shard first (each checks its length), so a bad buffer leaves none half-done.
+            shards = [sharding.shard(b, seq_dim=d, layout=self.layout) for b, d in zip(buffers, buffer_seq_dims)]
+            for buffer, local in zip(buffers, shards):
                 keep = not any(buffer is t for t in no_restore)
                 originals.append(_alias(buffer) if keep else None)
                 buffer.set_(local)
