@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_launch import launch_env  # the same clean environment the real launches use
+from launching import launch_env
 
 WORKER = Path(__file__).resolve().parent / "workers" / "engine_cases.py"
 WORLD_SIZES = (2, 4)

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_launch import cpctl, finish, launch_env  # real launches, as tests/test_launch.py does them
+from launching import cpctl, finish, launch_env
 
 WORKER = Path(__file__).resolve().parent / "workers" / "runtime_cases.py"
 TOLERANCE = 1e-5  # fp32, SPEC section 4

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_launch import REPO, cpctl, finish, launch_env  # real launches, as tests/test_launch.py does them
+from launching import REPO, cpctl, finish, launch_env
 
 SCRIPT = REPO / "scripts" / "train_llama.py"
 TRAIN_ARGS = ("--preset", "tiny", "--steps", "4", "--seq-len", "64", "--global-batch", "2")
@@ -26,8 +26,13 @@ LAYOUTS = {
     "cp4": ("--nproc-per-node", "4", "--cp-size", "4"),
     "dp2-cp2": ("--nproc-per-node", "4", "--cp-size", "2", "--dp-shard-size", "2"),
     "cp2-alltoall": ("--nproc-per-node", "2", "--cp-size", "2", "--cp-comm-strategy", "alltoall"),
+    # activation checkpointing: the recompute in backward must attend across the CP group too
+    "cp2-checkpointing": ("--nproc-per-node", "2", "--cp-size", "2", "--activation-checkpointing", "true"),
+    "tp2-cp2": ("--nproc-per-node", "4", "--cp-size", "2", "--tp-size", "2", "--dp-shard-size", "1"),
+    "hsdp2-cp2": ("--nproc-per-node", "4", "--cp-size", "2", "--dp-replicate-size", "2", "--dp-shard-size", "1"),
 }
-EXPECTED_SIZES = {"cp2": (2, 2, 1), "cp4": (4, 4, 1), "dp2-cp2": (4, 2, 2), "cp2-alltoall": (2, 2, 1)}
+EXPECTED_SIZES = {"cp2": (2, 2, 1), "cp4": (4, 4, 1), "dp2-cp2": (4, 2, 2), "cp2-alltoall": (2, 2, 1),
+                  "cp2-checkpointing": (2, 2, 1), "tp2-cp2": (4, 2, 1), "hsdp2-cp2": (4, 2, 2)}
 
 
 def plain_run(tmp: Path, *extra: str) -> dict:
