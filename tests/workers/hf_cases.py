@@ -1,0 +1,53 @@
+"""Worker: a Hugging Face Llama (attn_implementation="sdpa"), unmodified, under cpctl's CP.
+
+Logits and parameter gradients of a CP step must equal a plain single-process step of the
+same model on the full sequence. Rank 0 writes the max abs differences to argv[1] as JSON.
+"""
+
+import copy
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import cpctl
+
+
+def main() -> None:
+    rt = cpctl.init()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attn_implementation="sdpa")
+    reference = LlamaForCausalLM(config)
+    model = rt.prepare_model(copy.deepcopy(reference))
+    ids = torch.randint(config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
+
+    # The plain step: the whole sequence in one process.
+    labels = cpctl.shift_labels(ids)
+    ref_logits = reference(input_ids=ids).logits
+    F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
+
+    # The CP step, as SPEC section 3 writes it.
+    pos = cpctl.position_ids_like(ids)
+    with rt.maybe_context_parallel(buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1],
+                                   no_restore_buffers={ids, labels, pos}):
+        logits = model(input_ids=ids, position_ids=pos).logits
+        loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        rt.token_mean(loss_sum, labels).backward()
+        full_logits = rt.unshard(logits.detach(), 1)
+
+    grads = dict(reference.named_parameters())
+    grad_error = max(
+        (param.grad.full_tensor() - grads[name].grad).abs().max().item() for name, param in model.named_parameters()
+    )
+    if rt.is_main:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"cp": rt.cp_size, "logits": (full_logits - ref_logits.detach()).abs().max().item(),
+                       "grads": grad_error, "n_params": len(grads)}, f)
+
+
+if __name__ == "__main__":
+    main()
