@@ -305,6 +305,9 @@ def _write(output: Path, text: str) -> None:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; a profile is an ordinary file
         os.replace(tmp, output)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
