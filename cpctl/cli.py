@@ -171,21 +171,25 @@ def launch(
 ) -> None:
     """Validate the profile, then start the workers with torchrun (PyTorch's elastic agent).
 
-    cpctl options go before SCRIPT; everything after SCRIPT goes to the script.
+    Profile options and --dry-run may come before or after SCRIPT; every other argument after
+    SCRIPT, and everything after `--`, goes to the script.
     """
     from cpctl import launcher
     from cpctl import profile as profiles
 
-    script_args = list(args or [])
     with user_errors():
         if script is None:
             raise CpctlError("no script given; usage: cpctl launch [OPTIONS] SCRIPT [ARGS]... or cpctl launch -m MODULE [ARGS]...")
         if script.startswith("-"):  # an unknown option lands here, before any script
             raise CpctlError(f"{script}: unknown option{_suggest_flag(script)}")
-        resolved = profiles.resolve(flags=flags, config=config, profile_name=profile)
+        trailing, trailing_dry_run, script_args = split_trailing_options(list(args or []))
+        if trailing or trailing_dry_run:
+            taken = [spec.flag for spec in PROFILE_FLAGS if spec.path in trailing] + (["--dry-run"] if trailing_dry_run else [])
+            _stderr().print(f"[dim]note: {escape(', '.join(taken))} after the script taken as cpctl options; "
+                            "script options of the same name go after --[/]", soft_wrap=True)
+        resolved = profiles.resolve(flags={**flags, **trailing}, config=config, profile_name=profile)
         plan = launcher.prepare(resolved, target=script, target_args=script_args, module=module)
-        _warn_misplaced_options(script_args)
-        if dry_run:
+        if dry_run or trailing_dry_run:
             _print_plan(plan)
             return
         launcher.launch(plan)
@@ -304,16 +308,37 @@ def _print_plan(plan: Plan) -> None:
     )
 
 
-def _warn_misplaced_options(script_args: list[str]) -> None:
-    """cpctl options after SCRIPT go to the script (as with torchrun); say so once, do not guess."""
-    flags = {spec.flag for spec in PROFILE_FLAGS} | {"--config", "--profile", "--dry-run"}
-    misplaced = [arg for arg in script_args if arg.split("=")[0] in flags]
-    if misplaced:
-        _stderr().print(
-            f"[yellow]note:[/] {escape(', '.join(misplaced))} after the script go to the script; "
-            "put cpctl options before SCRIPT to apply them",
-            soft_wrap=True,
-        )
+# cpctl options that may also follow SCRIPT (SPEC: `cpctl launch train.py --cp-size 8`). --config
+# and --profile are not among them: scripts often take options of those names.
+TRAILING_FLAGS = {spec.flag: spec.path for spec in PROFILE_FLAGS}
+TRAILING_SWITCHES = {"--dry-run"}
+
+
+def split_trailing_options(script_args: list[str]) -> tuple[dict[str, str], bool, list[str]]:
+    """cpctl's own options among the arguments after SCRIPT, up to a `--` that ends them.
+
+    Returns (profile flags by key path, whether --dry-run was given, the script's arguments).
+    """
+    flags: dict[str, str] = {}
+    dry_run = False
+    rest: list[str] = []
+    args = iter(script_args)
+    for arg in args:
+        if arg == "--":
+            rest.extend(args)
+            break
+        name, has_value, value = arg.partition("=")
+        if name in TRAILING_SWITCHES and not has_value:
+            dry_run = True
+        elif name in TRAILING_FLAGS:
+            if not has_value:
+                value = next(args, None)
+                if value is None:
+                    raise CpctlError(f"{name} needs a value, e.g. {name} 2")
+            flags[TRAILING_FLAGS[name]] = value
+        else:
+            rest.append(arg)
+    return flags, dry_run, rest
 
 
 def main() -> None:

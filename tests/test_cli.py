@@ -278,11 +278,19 @@ def test_dry_run_with_a_module(isolated: Path) -> None:
     assert "--tee=3 --module pkg.train --lr 1" in result.stdout
 
 
-def test_options_after_the_script_go_to_the_script(script: Path) -> None:
-    result = cpctl("launch", "--dry-run", "train.py", "--cp-size", "2")
-    assert result.exit_code == 0
-    assert "train.py --cp-size 2" in result.stdout  # passed through, not applied
-    assert "note: --cp-size after the script go to the script" in result.stderr
+def test_cpctl_options_after_the_script_apply_as_spec_writes_them(script: Path) -> None:
+    # SPEC: `cpctl launch train.py --cp-size 8`; a `--` hands the rest to the script untouched.
+    result = cpctl("launch", "train.py", "--cp-size", "2", "--lr", "1", "--dry-run", "--", "--cp-size", "9")
+    assert result.exit_code == 0, result.output
+    assert "parallelism.cp_size" in result.stdout and "flag --cp-size" in result.stdout
+    assert "train.py --lr 1 --cp-size 9" in result.stdout  # the script keeps its own arguments
+    assert "note: --cp-size, --dry-run after the script taken as cpctl options" in result.stderr
+
+
+def test_a_trailing_cpctl_option_without_its_value_is_one_line(script: Path) -> None:
+    result = cpctl("launch", "train.py", "--cp-size")
+    assert result.exit_code == 2
+    assert result.stderr.strip().splitlines() == ["error: --cp-size needs a value, e.g. --cp-size 2"]
 
 
 # ----------------------------------------------------------------------------- the launcher boundary
