@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from cpctl.attention import ChunkLayout, context_parallel_attention
 from cpctl.attention import kernels as cp_kernels
 
-LENGTHS = {"32k": 32 * 1024, "64k": 64 * 1024, "128k": 128 * 1024, "256k": 256 * 1024, "512k": 512 * 1024}
+LENGTHS = {f"{n}k": n * 1024 for n in (32, 64, 128, 256, 512, 1024)}
 
 
 def parse_args(argv=None):
