@@ -141,9 +141,10 @@ def _one_of(*choices: Any) -> Callable[[Any], bool]:
 
 
 def _endpoint(value: Any) -> bool:
-    return value is None or (
-        isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_.\-\[\]:]+:\d{1,5}", value) is not None
-    )
+    if value is None:
+        return True
+    match = isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})", value)
+    return bool(match) and 1 <= int(match.group(1)) <= 65535
 
 
 def _parse_bool(text: str) -> bool:
@@ -203,7 +204,7 @@ FIELDS: dict[str, FieldSpec] = {
                   "an integer >= 1 or auto", "worker processes per machine"),
         FieldSpec("launch.node_rank", _parse_int, _non_negative, "an integer >= 0",
                   "this machine's index among nnodes"),
-        FieldSpec("launch.rdzv_endpoint", _parse_endpoint, _endpoint, "host:port or null",
+        FieldSpec("launch.rdzv_endpoint", _parse_endpoint, _endpoint, "host:port (port 1-65535) or null",
                   "rendezvous address for several machines"),
         FieldSpec("launch.max_restarts", _parse_int, _non_negative, "an integer >= 0",
                   "times the elastic agent restarts failed workers"),
@@ -216,9 +217,9 @@ SECTIONS = ("parallelism", "fsdp", "launch")
 # ----------------------------------------------------------------------------- layers
 
 
-def _suggest(name: str, known: Iterable[str]) -> str:
+def _suggest(name: str, known: Iterable[str], *, kind: str = "keys") -> str:
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]}?" if close else f"; known keys: {', '.join(sorted(known))}"
+    return f"; did you mean {close[0]}?" if close else f"; known {kind}: {', '.join(sorted(known))}"
 
 
 def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -265,13 +266,32 @@ def _check_layer(tree: Any, source: str) -> dict[str, Any]:
     return dict(tree)
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice: YAML keeps the last one, silently."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice; keep one", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_file(path: str | Path) -> dict[str, Any]:
     """Read and validate one YAML profile file as a layer."""
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise CpctlError(f"{path}: no such profile file; check the path or run `cpctl config --output {path}`")
+    if not path.is_file():
+        raise CpctlError(f"{path}: not a regular file; pass the path of a YAML profile")
     try:
-        tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+        tree = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CpctlError(f"{path}: cannot read the profile ({exc.__class__.__name__}: {exc}); "
+                         "it must be a readable UTF-8 YAML file") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
@@ -311,12 +331,12 @@ def env_layer(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str
     unknown = [name for name in environ if name.startswith("CPCTL_") and name not in by_var
                and name not in _RESERVED_ENV]
     if unknown:
-        raise CpctlError(f"environment: {unknown[0]}: unknown variable{_suggest(unknown[0], by_var)}")
+        raise CpctlError(f"environment: {unknown[0]}: unknown variable{_suggest(unknown[0], by_var, kind='variables')}")
     values = {by_var[name]: text for name, text in environ.items() if name in by_var}
     return text_layer(values, source_of=lambda spec: f"env {spec.env_var}")
 
 
-_RESERVED_ENV = {PROFILE_ENV_VAR, "CPCTL_NO_COLOR"}
+_RESERVED_ENV = {PROFILE_ENV_VAR}
 
 
 def slurm_layer(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, str]]:
@@ -330,7 +350,7 @@ def slurm_layer(environ: Mapping[str, str]) -> tuple[dict[str, Any], dict[str, s
     if "SLURM_NODEID" in environ:
         values["launch.node_rank"] = environ["SLURM_NODEID"]
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-    if nodelist and nnodes and int(nnodes) > 1:
+    if nodelist and nnodes and nnodes.strip().isdigit() and int(nnodes) > 1:
         values["launch.rdzv_endpoint"] = f"{first_slurm_host(nodelist)}:{DEFAULT_RDZV_PORT}"
     return text_layer(values, source_of=lambda spec: "SLURM")
 
@@ -365,7 +385,7 @@ def find_profile(name: str, *, cwd: Path, environ: Mapping[str, str]) -> Path:
         if (place / filename).is_file():
             return place / filename
     known = sorted({p.stem for place in places if place.is_dir() for p in place.glob("*.yaml")})
-    raise CpctlError(f"--profile {name}: no such profile{_suggest(name, known)}")
+    raise CpctlError(f"--profile {name}: no such profile{_suggest(name, known, kind='profiles')}")
 
 
 # ----------------------------------------------------------------------------- resolution
@@ -405,7 +425,7 @@ def resolve(
     merged, sources, files = merge_layers(flags=flags, config=config, profile_name=profile_name,
                                           environ=environ, cwd=cwd)
     machine = machine if machine is not None else detect_machine(environ)
-    profile, auto_sources = _fill_auto(_build(_unflatten(merged)), machine=machine, sources=sources)
+    profile, auto_sources = fill_auto(_build(_unflatten(merged)), machine=machine)
     sources.update(auto_sources)
     validate(profile, machine=machine)
     return Resolved(profile=profile, sources=sources, files=files)
@@ -477,7 +497,8 @@ def from_dict(tree: Mapping[str, Any], *, source: str = "profile") -> Profile:
     return _build(_check_layer(tree, source))
 
 
-def _fill_auto(profile: Profile, *, machine: Machine, sources: dict[str, str]) -> tuple[Profile, dict[str, str]]:
+def fill_auto(profile: Profile, *, machine: Machine) -> tuple[Profile, dict[str, str]]:
+    """Every `auto` value resolved against `machine`; returns the profile and why each was chosen."""
     filled: dict[str, Any] = {}
     why: dict[str, str] = {}
     launch, par = profile.launch, profile.parallelism

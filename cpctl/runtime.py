@@ -31,12 +31,10 @@ from cpctl import profile as profiles
 from cpctl.attention import ChunkLayout, context_parallel_attention
 from cpctl.attention import sharding
 from cpctl.attention.dispatch import RouteSDPA
+from cpctl.envinfo import require_torch
 from cpctl.errors import CpctlError
 from cpctl.mesh import build_mesh
 from cpctl.parallelize import apply_activation_checkpointing, apply_fsdp, apply_tensor_parallel, find_blocks
-
-MIN_TORCH = (2, 6)
-
 
 @dataclass
 class Runtime:
@@ -105,6 +103,13 @@ class Runtime:
             found = find_blocks(model) if blocks is None else found
         if self.config.fsdp.version == 2:
             apply_fsdp(model, mesh=self._fsdp_mesh(), fsdp=self.config.fsdp, blocks=found)
+        elif self.axes["dp_cp"].size() > 1:
+            # Without a gradient reduction the ranks would drift apart, and token_mean's scaling
+            # (which expects the average over dp x cp ranks) would be wrong.
+            raise CpctlError(
+                "fsdp.version: 1 with several data-parallel ranks; cpctl's prepare_model applies FSDP2 only: "
+                "set fsdp.version: 2 (or wrap the model in DDP/FSDP yourself and skip prepare_model)"
+            )
         return model
 
     def _recompute_context(self) -> contextlib.AbstractContextManager:
@@ -119,16 +124,20 @@ class Runtime:
     def prepare_dataloader(self, dataset, *, batch_size: int = 1, shuffle: bool = True, collate_fn=None,
                            seed: int = 0, **loader_kwargs) -> torch.utils.data.DataLoader:
         """A DataLoader whose batches differ across dp ranks and repeat across cp/tp ranks."""
-        from torch.utils.data import DataLoader, DistributedSampler
+        from torch.utils.data import DistributedSampler, IterableDataset
 
+        if isinstance(dataset, IterableDataset):
+            raise CpctlError("prepare_dataloader needs a map-style dataset (with __len__ and __getitem__) to split "
+                             "it over dp ranks; for an IterableDataset, shard it by rt.dp_rank / rt.dp_size yourself")
         sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank,
                                      shuffle=shuffle, seed=seed, drop_last=True)
-        return DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, **loader_kwargs)
+        return EpochDataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, **loader_kwargs)
 
     # ------------------------------------------------------------------ context parallelism
 
     def shard(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        """This rank's (load-balanced) shard of a full-length tensor, as a new tensor."""
+        """This rank's (load-balanced) shard of a full-length tensor, as a new tensor
+        (with cp_size 1: the tensor itself, which is its whole shard)."""
         if self.cp_size == 1:
             return tensor
         return sharding.shard(tensor, seq_dim=seq_dim, layout=self.layout)
@@ -199,6 +208,17 @@ class Runtime:
         return share + (total_loss / total_tokens - share).detach()
 
 
+class EpochDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose every pass is a new epoch: its DistributedSampler reshuffles."""
+
+    _epoch = 0
+
+    def __iter__(self):
+        self.sampler.set_epoch(self._epoch)
+        self._epoch += 1
+        return super().__iter__()
+
+
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
     """A second handle on `tensor`'s current storage and shape, to put back after set_()."""
     return tensor.new_empty(0).set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
@@ -208,13 +228,18 @@ def _check_buffers(buffers: list, seq_dims: list, no_restore: list) -> None:
     if len(buffers) != len(seq_dims):
         raise CpctlError(f"maybe_context_parallel: {len(buffers)} buffers but {len(seq_dims)} buffer_seq_dims; "
                          "give one sequence dim per buffer")
+    for item in [*buffers, *no_restore]:
+        if not isinstance(item, torch.Tensor):
+            raise CpctlError(f"maybe_context_parallel: buffers must be tensors, got {type(item).__name__}")
+    if len({id(b) for b in buffers}) != len(buffers):
+        raise CpctlError("maybe_context_parallel: a tensor appears twice in buffers; pass each buffer once")
     for t in no_restore:
         if not any(t is b for b in buffers):
             raise CpctlError("maybe_context_parallel: no_restore_buffers must be a subset of buffers; "
                              f"a tensor of shape {tuple(t.shape)} is not among the buffers")
     for buffer, seq_dim in zip(buffers, seq_dims):
-        if not isinstance(buffer, torch.Tensor):
-            raise CpctlError(f"maybe_context_parallel: buffers must be tensors, got {type(buffer).__name__}")
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+            raise CpctlError(f"maybe_context_parallel: buffer_seq_dims must be integers, got {seq_dim!r}")
         if buffer.requires_grad:
             raise CpctlError(
                 f"maybe_context_parallel: a buffer of shape {tuple(buffer.shape)} requires grad and cannot be "
@@ -227,6 +252,7 @@ def _check_buffers(buffers: list, seq_dims: list, no_restore: list) -> None:
 # ---------------------------------------------------------------------- init
 
 _RUNTIME: Runtime | None = None
+_INIT_OVERRIDES: dict[str, Any] = {}
 
 
 def init(**overrides: Any) -> Runtime:
@@ -235,18 +261,20 @@ def init(**overrides: Any) -> Runtime:
     `overrides` are profile keys by name (`cp_size=2`, `cp_comm_strategy="alltoall"`) and
     win over everything else, as launch flags do.
     """
-    global _RUNTIME
+    global _RUNTIME, _INIT_OVERRIDES
     if _RUNTIME is not None:
+        if overrides and overrides != _INIT_OVERRIDES:
+            raise CpctlError(f"cpctl.init() already ran with {_INIT_OVERRIDES or 'no overrides'}; "
+                             f"it cannot change to {overrides} in the same process")
         return _RUNTIME
-    if torch.__version__ and tuple(int(x) for x in torch.__version__.split(".")[:2]) < MIN_TORCH:
-        raise CpctlError(f"cpctl needs torch >= 2.6 for FSDP2 and CP; this is torch {torch.__version__}")
+    require_torch(torch.__version__)
     config = _profile_for_this_process(overrides)
     device = _device_for(config)
     if not dist.is_initialized():
         _init_process_group(device)
         atexit.register(_shutdown)
     mesh, axes = build_mesh(config.parallelism, device_type=device.type)
-    _RUNTIME = Runtime(config=config, mesh=mesh, device=device, axes=axes)
+    _RUNTIME, _INIT_OVERRIDES = Runtime(config=config, mesh=mesh, device=device, axes=axes), dict(overrides)
     return _RUNTIME
 
 
@@ -262,7 +290,8 @@ def _profile_for_this_process(overrides: dict[str, Any]) -> profiles.Profile:
             section, _, leaf = by_leaf[key].rpartition(".")
             spec = profiles.FIELDS[by_leaf[key]]
             (tree.setdefault(section, {}) if section else tree)[leaf] = spec.parse_text(str(value))
-        config = profiles.from_dict(tree, source=profiles.PROFILE_ENV_VAR)
+        machine = profiles.Machine(cuda_devices=torch.cuda.device_count())
+        config, _ = profiles.fill_auto(profiles.from_dict(tree, source=profiles.PROFILE_ENV_VAR), machine=machine)
         profiles.validate(config)
         return config
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -300,6 +300,13 @@ def _validated(text: str, *, answers: Answers, machine: prof.Machine) -> prof.Re
 
 def _write(output: Path, text: str) -> None:
     """Replace `output` in one step, so an interrupted write leaves no half file."""
+    try:
+        _replace(output, text)
+    except OSError as exc:
+        raise CpctlError(f"--output {output}: cannot write it ({exc.strerror or exc}); choose another path") from None
+
+
+def _replace(output: Path, text: str) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
     try:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import cpctl, finish, launch_env
+from launching import REPO, cpctl, finish, launch_env
 
 WORKER = Path(__file__).resolve().parent / "workers" / "runtime_cases.py"
 TOLERANCE = 1e-5  # fp32, SPEC section 4
@@ -92,6 +92,9 @@ BAD_INPUTS = {
     "buffer_requires_grad": ["requires grad", "rt.shard()"],
     "buffers_vs_seq_dims": ["2 buffers but 1 buffer_seq_dims"],
     "gqa_without_enable_gqa": ["enable_gqa=True"],
+    "duplicate_buffer": ["appears twice", "pass each buffer once"],
+    "fsdp_version_1": ["fsdp.version: 1", "set fsdp.version: 2"],
+    "mha_need_weights": ["need_weights=True", "need_weights=False"],
 }
 
 
@@ -202,9 +205,18 @@ def test_prepared_model_gets_the_single_process_gradients(cp_ranks) -> None:
 
 
 def test_cp_ranks_get_the_same_batches(cp_ranks) -> None:
-    batches = [result["batches"] for result in case(cp_ranks, "dataloader")]
+    results = case(cp_ranks, "dataloader")
+    batches = [result["batches"] for result in results]
     assert batches[0] == batches[1]
     assert sorted(i for batch in batches[0] for i in batch) == list(range(8))  # dp 1: the whole dataset
+    # every pass is a new epoch: reshuffled, still the same on every rank of the CP group
+    assert results[0]["second_epoch"] == results[1]["second_epoch"] != batches[0]
+
+
+def test_multihead_attention_modules_attend_across_the_cp_group(cp_ranks) -> None:
+    for result in case(cp_ranks, "multihead_attention"):
+        assert set(result) == {"mha_train", "mha_eval", "encoder_layer_eval"}, result
+        assert max(result.values()) <= TOLERANCE, result
 
 
 # ------------------------------------------------------------------------------- world of one
@@ -229,3 +241,15 @@ def test_the_context_is_a_no_op_on_one_process(single_rank) -> None:
     token_mean = case([single_rank], "token_mean")[0]
     assert token_mean["value"] == pytest.approx(token_mean["expected"], abs=1e-6)
     assert token_mean["weight_grad"] == pytest.approx(token_mean["expected"], abs=1e-6)
+
+
+def test_init_overrides_resolve_auto_on_top_of_the_launched_profile(tmp_path: Path) -> None:
+    out = tmp_path / "init.json"
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "1",
+                                        str(REPO / "tests" / "workers" / "init_overrides.py"), str(out),
+                                        tmp_path=tmp_path))
+    assert code == 0, stdout + stderr
+    result = json.loads(out.read_text())
+    assert (result["cp"], result["dp_shard"], result["mixed_precision"]) == (2, 1, "no")
+    assert result["same"] is True
+    assert "cannot change" in result["changed"]

@@ -298,3 +298,15 @@ def test_a_real_terminal_shows_why_an_answer_is_refused_and_ctrl_c_exits_130(tmp
     finally:
         child.close()
     assert child.exitstatus == 130 and not out.exists()
+
+
+def test_an_unwritable_output_is_one_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from cpctl.cli import app
+
+    (tmp_path / "file").write_text("")  # a file where a directory should be
+    result = CliRunner().invoke(app, ["config", "--yes", "--output", str(tmp_path / "file" / "cpctl.yaml")])
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith("error: --output ")
+    assert "cannot write it" in result.stderr and "Traceback" not in result.output

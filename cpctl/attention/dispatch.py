@@ -7,6 +7,7 @@ only inside the `with` block, only on this thread: nothing process-global is pat
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -15,6 +16,9 @@ from torch.overrides import TorchFunctionMode
 
 from cpctl.errors import CpctlError
 
+# Kept at import: while nn.MultiheadAttention runs under CP the module attribute is swapped.
+_SDPA = F.scaled_dot_product_attention
+_MHA = F.multi_head_attention_forward
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -47,7 +51,9 @@ class RouteSDPA(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
+        if func is _MHA:
+            return self._multi_head_attention(func, args, kwargs)
+        if func is not _SDPA:
             return func(*args, **kwargs)
         call = _bind(args, kwargs)
         q, k = call["query"], call["key"]
@@ -71,3 +77,23 @@ class RouteSDPA(TorchFunctionMode):
             )
         return self.attention(q, k, call["value"], is_causal=is_causal, scale=call["scale"],
                               enable_gqa=bool(call["enable_gqa"]))
+
+    def _multi_head_attention(self, func, args, kwargs):
+        """nn.MultiheadAttention (and so nn.Transformer*) under CP.
+
+        Its functional form reaches this mode as one call, and its own inner SDPA call would
+        then run unrouted (attending to local tokens only). Run it with the module-level SDPA
+        it looks up pointed at this routing, for the duration of the call.
+        """
+        call = inspect.signature(_MHA).bind(*args, **kwargs)
+        call.apply_defaults()
+        if call.arguments["need_weights"]:
+            raise CpctlError(
+                "nn.MultiheadAttention with need_weights=True under context parallelism computes attention "
+                "weights without SDPA and cannot be sharded; call it with need_weights=False"
+            )
+        F.scaled_dot_product_attention = lambda *a, **k: self.__torch_function__(_SDPA, (), a, k)
+        try:
+            return func(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = _SDPA

@@ -148,6 +148,13 @@ def case_bad_inputs(rt: Runtime) -> dict:
         entering(rt, buffers=[ids, torch.zeros(1, 8, requires_grad=True)], buffer_seq_dims=[1, 1]))
     results["buffers_vs_seq_dims"] = error_of(entering(rt, buffers=[ids, ids.clone()], buffer_seq_dims=[1]))
     results["gqa_without_enable_gqa"] = error_of(lambda: rt.attention(q, q[:, :2], q[:, :2], is_causal=True))
+    results["duplicate_buffer"] = error_of(entering(rt, buffers=[ids, ids], buffer_seq_dims=[1, 1]))
+    fsdp1 = dataclasses.replace(rt.config, fsdp=dataclasses.replace(rt.config.fsdp, version=1))
+    results["fsdp_version_1"] = error_of(lambda: Runtime(config=fsdp1, mesh=rt.mesh, device=rt.device,
+                                                         axes=rt.axes).prepare_model(torch.nn.Linear(2, 2)))
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = randn(2, 1, 4, 8)
+    results["mha_need_weights"] = error_of(inside(lambda: mha(x, x, x, need_weights=True)))
     results["ids_after_errors"] = ids.tolist()  # errors inside the context still restore the buffers
 
     # A rejected call leaves no buffer half-sharded: the good first buffer keeps its full length.
@@ -326,7 +333,30 @@ def case_two_groups(rt: Runtime) -> dict:
 def case_dataloader(rt: Runtime) -> dict:
     data = [{"index": i} for i in range(8)]
     loader = rt.prepare_dataloader(data, batch_size=2, shuffle=True)
-    return {"batches": [batch["index"].tolist() for batch in loader]}
+    epochs = [[batch["index"].tolist() for batch in loader] for _ in range(2)]
+    return {"batches": epochs[0], "second_epoch": epochs[1]}
+
+
+def case_multihead_attention(rt: Runtime) -> dict:
+    """nn.MultiheadAttention and nn.TransformerEncoderLayer (no SDPA call of their own to see)."""
+    torch.manual_seed(5)
+    results = {}
+    modules = {
+        "mha_train": torch.nn.MultiheadAttention(16, 2, batch_first=True).train(),
+        "mha_eval": torch.nn.MultiheadAttention(16, 2, batch_first=True).eval(),
+        "encoder_layer_eval": torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True).eval(),
+    }
+    for label, module in modules.items():
+        x = randn(90, 2, 8, 16)
+
+        def run(inputs):
+            out = module(inputs, inputs, inputs, need_weights=False) if "mha" in label else module(inputs)
+            return out[0] if isinstance(out, tuple) else out
+
+        reference, local = run(x), x.clone()
+        with rt.maybe_context_parallel(buffers=[local], buffer_seq_dims=[1]):
+            results[label] = max_err(rt.unshard(run(local).detach(), 1), reference)
+    return results
 
 
 def case_single_process_noop(rt: Runtime) -> dict:
@@ -351,7 +381,7 @@ def case_single_process_noop(rt: Runtime) -> dict:
 
 CP_CASES = [case_attributes, case_bad_inputs, case_causal_mask_accepted, case_buffers, case_shard_unshard,
             case_functional_attention, case_model_in_context, case_token_mean, case_fsdp_gradients,
-            case_two_groups, case_dataloader]
+            case_two_groups, case_dataloader, case_multihead_attention]
 SINGLE_CASES = [case_attributes, case_single_process_noop, case_shard_unshard, case_token_mean]
 
 
