@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from cpctl.attention.kernels import block_backward, block_forward, seq_major_empty
+from cpctl.attention.kernels import block_backward, block_forward
 from cpctl.attention.plan import Block
 
 
@@ -21,9 +21,8 @@ class ForwardAccumulator:
     """
 
     def __init__(self, q: torch.Tensor, *, chunk_len: int, num_chunks: int):
-        b, h, s, d = q.shape
-        self.out = seq_major_empty(b, h, s, d, like=q, dtype=torch.float32)
-        self.lse = torch.empty(b, h, s, dtype=torch.float32, device=q.device)
+        self.out = empty_seq_major(q.shape, like=q)
+        self.lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         self.chunk_len = chunk_len
         self.written = [False] * num_chunks
 

@@ -26,7 +26,6 @@ class Kernel:
     name: str
     forward: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-    native_gqa: bool  # accepts fewer K/V heads than Q heads
 
 
 # ----------------------------------------------------------------------------- CPU flash
@@ -100,10 +99,10 @@ def _efficient_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
 
 
 KERNELS = {
-    "cpu_flash": Kernel("cpu_flash", _cpu_forward, _cpu_backward, native_gqa=False),
-    "cudnn": Kernel("cudnn", _cudnn_forward, _cudnn_backward, native_gqa=False),
-    "flash": Kernel("flash", _flash_forward, _flash_backward, native_gqa=False),
-    "efficient": Kernel("efficient", _efficient_forward, _efficient_backward, native_gqa=False),
+    "cpu_flash": Kernel("cpu_flash", _cpu_forward, _cpu_backward),
+    "cudnn": Kernel("cudnn", _cudnn_forward, _cudnn_backward),
+    "flash": Kernel("flash", _flash_forward, _flash_backward),
+    "efficient": Kernel("efficient", _efficient_forward, _efficient_backward),
 }
 
 # cuDNN is 1.7x faster than flash on H200 (shared/MEASURED.md); fall back in this order.
@@ -185,10 +184,6 @@ def seq_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def seq_major_empty(b: int, h: int, s: int, d: int, *, like: torch.Tensor, dtype=None) -> torch.Tensor:
-    return torch.empty(b, s, h, d, dtype=dtype or like.dtype, device=like.device).transpose(1, 2)
-
-
 def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return t
@@ -204,21 +199,16 @@ def _fold_kv_grad(grad: torch.Tensor, groups: int) -> torch.Tensor:
 
 def block_forward(q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a Q block over one K/V block: (out, fp32 lse of shape (B, H, Sq))."""
-    kernel = kernel_for(q)
+    # GQA: K/V travel with their own (fewer) heads and are widened only for the kernel.
     groups = q.shape[1] // k.shape[1]
-    if not kernel.native_gqa:
-        k, v = _expand_kv(k, groups), _expand_kv(v, groups)
-    out, lse = kernel.forward(q, k, v, causal=causal, scale=scale)
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    out, lse = kernel_for(q).forward(q, k, v, causal=causal, scale=scale)
     return out, lse.float()
 
 
 def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
     """Gradients of one block, given the *merged* out and lse of the whole row."""
-    kernel = kernel_for(q)
     groups = q.shape[1] // k.shape[1]
-    if not kernel.native_gqa:
-        k, v = _expand_kv(k, groups), _expand_kv(v, groups)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse.contiguous(), causal=causal, scale=scale)
-    if not kernel.native_gqa:
-        dk, dv = _fold_kv_grad(dk, groups), _fold_kv_grad(dv, groups)
-    return dq, dk, dv
+    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    dq, dk, dv = kernel_for(q).backward(dout, q, k, v, out, lse.contiguous(), causal=causal, scale=scale)
+    return dq, _fold_kv_grad(dk, groups), _fold_kv_grad(dv, groups)

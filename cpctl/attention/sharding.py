@@ -39,10 +39,6 @@ class ChunkLayout:
         """Global chunk indices in the order an all-gather over ranks lays them out."""
         return [chunk for rank in range(self.cp_size) for chunk in self.chunks_of(rank)]
 
-    @property
-    def seq_divisor(self) -> int:
-        return self.num_chunks
-
     def check_length(self, seq_len: int, *, what: str = "sequence length") -> None:
         if seq_len % self.num_chunks:
             reason = f"2 * cp_size ({self.num_chunks}) with cp_load_balance" if self.load_balance else f"cp_size ({self.cp_size})"
