@@ -178,7 +178,7 @@ def test_unknown_profile_name(tmp_path: Path) -> None:
         ({"parallelism": {"cp_size": 0}}, "parallelism.cp_size: 0 is not allowed; expected an integer >= 1"),
         ({"parallelism": {"cp_load_balance": "maybe"}}, "parallelism.cp_load_balance: 'maybe' is not allowed; expected true or false"),
         ({"parallelism": {"cp_comm_strategy": "ring"}}, "parallelism.cp_comm_strategy: 'ring' is not allowed; expected allgather or alltoall"),
-        ({"launch": {"rdzv_endpoint": "node0"}}, "launch.rdzv_endpoint: 'node0' is not allowed; expected host:port or null"),
+        ({"launch": {"rdzv_endpoint": "node0"}}, "launch.rdzv_endpoint: 'node0' is not allowed; expected host:port (port 1-65535) or null"),
         ({"version": 2}, "version: 2 is not allowed; expected 1"),
         ({"fsdp": 2}, "fsdp must be a mapping of keys"),
         ([1, 2], "a profile must be a YAML mapping"),
