@@ -34,16 +34,39 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 def apply_tensor_parallel(model: nn.Module, *, tp_mesh: DeviceMesh, tp_plan: dict | None) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = tp_plan if tp_plan is not None else getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    plan = tp_plan if tp_plan is not None else huggingface_tp_plan(model)
     if not plan:
         raise CpctlError(
             f"tp_size is {tp_mesh.size()} but the model has no tensor-parallel plan; pass "
             "rt.prepare_model(model, tp_plan={'layers.*.attn.q_proj': ColwiseParallel(), ...}) or set tp_size: 1"
         )
-    if any(isinstance(style, str) for style in plan.values()):
-        raise CpctlError("the model's base_model_tp_plan names styles as strings; pass tp_plan= with "
-                         "ParallelStyle objects (ColwiseParallel(), RowwiseParallel())")
     parallelize_module(model, tp_mesh, plan)
+
+
+def huggingface_tp_plan(model: nn.Module) -> dict | None:
+    """A Hugging Face model's own `config.base_model_tp_plan`, as ParallelStyle objects.
+
+    Its keys are relative to the base model (`model.model` of a `...ForCausalLM`) and its
+    styles are names; the two that plain transformer blocks use are translated.
+    """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if not plan:
+        return None
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    prefix = getattr(model, "base_model_prefix", "")
+    prefix = f"{prefix}." if prefix and isinstance(getattr(model, prefix, None), nn.Module) else ""
+    translated = {}
+    for key, style in plan.items():
+        if not isinstance(style, str):
+            translated[prefix + key] = style
+        elif style in styles:
+            translated[prefix + key] = styles[style]()
+        else:
+            raise CpctlError(f"the model's base_model_tp_plan uses style {style!r} for {key}, which cpctl does not "
+                             "translate; pass rt.prepare_model(model, tp_plan={...}) with ParallelStyle objects")
+    return translated
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module, *,

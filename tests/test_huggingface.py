@@ -14,12 +14,21 @@ from launching import REPO, cpctl, finish
 pytest.importorskip("transformers")
 
 
-def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path) -> None:
+LAYOUTS = {
+    "cp2": (("--nproc-per-node", "2", "--cp-size", "2"), 2, 1),
+    # tp: the model's own base_model_tp_plan ("colwise"/"rowwise") is the default plan
+    "tp2": (("--nproc-per-node", "2", "--cp-size", "1", "--tp-size", "2"), 1, 2),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, layout: str) -> None:
+    flags, cp, tp = LAYOUTS[layout]
     out = tmp_path / "hf.json"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2",
-                                        str(REPO / "tests" / "workers" / "hf_cases.py"), str(out), tmp_path=tmp_path))
+    code, stdout, stderr = finish(cpctl("--device", "cpu", *flags, str(REPO / "tests" / "workers" / "hf_cases.py"),
+                                        str(out), tmp_path=tmp_path))
     assert code == 0, stdout + stderr
     result = json.loads(out.read_text())
-    assert result["cp"] == 2 and result["n_params"] > 0
+    assert (result["cp"], result["tp"]) == (cp, tp) and result["n_params"] > 0
     assert result["logits"] <= 1e-5
     assert result["grads"] <= 1e-5

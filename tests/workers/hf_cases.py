@@ -45,7 +45,7 @@ def main() -> None:
     )
     if rt.is_main:
         with open(sys.argv[1], "w") as f:
-            json.dump({"cp": rt.cp_size, "logits": (full_logits - ref_logits.detach()).abs().max().item(),
+            json.dump({"cp": rt.cp_size, "tp": rt.config.parallelism.tp_size, "logits": (full_logits - ref_logits.detach()).abs().max().item(),
                        "grads": grad_error, "n_params": len(grads)}, f)
 
 
