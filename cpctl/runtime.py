@@ -286,10 +286,13 @@ def _profile_for_this_process(overrides: dict[str, Any]) -> profiles.Profile:
     passed = os.environ.get(profiles.PROFILE_ENV_VAR)
     if passed:  # from `cpctl launch`: already resolved and validated there
         tree = json.loads(passed)
-        for key, value in overrides.items():
-            section, _, leaf = by_leaf[key].rpartition(".")
-            spec = profiles.FIELDS[by_leaf[key]]
-            (tree.setdefault(section, {}) if section else tree)[leaf] = spec.parse_text(str(value))
+        layer, _ = profiles.text_layer({by_leaf[key]: str(value) for key, value in overrides.items()},
+                                       source_of=lambda spec: f"cpctl.init({spec.leaf}=...)")
+        for section, values in layer.items():
+            if isinstance(values, dict):
+                tree.setdefault(section, {}).update(values)
+            else:
+                tree[section] = values
         machine = profiles.Machine(cuda_devices=torch.cuda.device_count())
         config, _ = profiles.fill_auto(profiles.from_dict(tree, source=profiles.PROFILE_ENV_VAR), machine=machine)
         profiles.validate(config)
