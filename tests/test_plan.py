@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import cpctl
 from cpctl.attention import allgather, ring
 from cpctl.attention.dispatch import RouteSDPA, is_causal_mask
-from cpctl.attention.plan import Block, causal_visibility, full_visibility, plan_blocks
+from cpctl.attention.plan import Block
 from cpctl.attention.sharding import ChunkLayout, shard, unshard
 from cpctl.attention.spec import AttentionSpec
 from cpctl.errors import CpctlError
@@ -84,13 +84,12 @@ def test_allgather_plans_cover_every_visible_pair_once(cp_size: int, load_balanc
     for rank in range(cp_size):
         s = spec(cp_size, rank, load_balance=load_balance, causal=causal)
         local_chunks = s.layout.local_chunks
-        local, remote = allgather._plans(s)
+        local, remote = allgather._local_plan(s), allgather._remote_plan(s)
         # local blocks index this rank's own K/V; remote ones the gathered K/V in sequence order
         remote_pairs = covered(remote, local_chunks, range(s.layout.num_chunks))
         forward += covered(local, local_chunks, local_chunks) + remote_pairs
         # the backward splits the local work into finer blocks; together they must match too
-        base = causal_visibility if causal else full_visibility
-        fine = plan_blocks(local_chunks, local_chunks, base, causal_squares=False)
+        fine = allgather._local_plan(s, causal_squares=False)
         backward += covered(fine, local_chunks, local_chunks) + remote_pairs
     expected = expected_pairs(s.layout.num_chunks, causal=causal)
     assert forward == expected
@@ -101,7 +100,7 @@ def test_a_balanced_rank_computes_its_own_kv_in_one_causal_call() -> None:
     # head-tail shards keep global order locally: chunks (r, 2cp-1-r) are one causal square
     for cp_size in CP_SIZES:
         for rank in range(cp_size):
-            local, _ = allgather._plans(spec(cp_size, rank, load_balance=True, causal=True))
+            local = allgather._local_plan(spec(cp_size, rank, load_balance=True, causal=True))
             assert local == [Block(0, 2, 0, 2, causal=True)]
 
 

@@ -27,16 +27,22 @@ from cpctl.attention.sharding import ChunkLayout
 from cpctl.attention.spec import AttentionSpec
 
 
-def _plans(spec: AttentionSpec):
-    """(local blocks, remote blocks): remote skips the K/V chunks this rank holds itself."""
-    layout = spec.layout
-    local = layout.local_chunks
+def _local_plan(spec: AttentionSpec, *, causal_squares: bool = True):
+    """Blocks over this rank's own K/V (forward: one causal call; backward: finer units)."""
+    base = causal_visibility if spec.causal else full_visibility
+    local = spec.layout.local_chunks
+    return plan_blocks(local, local, base, causal_squares=causal_squares)
+
+
+def _remote_plan(spec: AttentionSpec):
+    """Blocks over the gathered K/V in sequence order, skipping the chunks this rank holds."""
+    local = spec.layout.local_chunks
     base = causal_visibility if spec.causal else full_visibility
 
     def remote(q_chunk: int, kv_chunk: int) -> Visibility:
         return Visibility.NONE if kv_chunk in local else base(q_chunk, kv_chunk)
 
-    return plan_blocks(local, local, base), plan_blocks(local, range(layout.num_chunks), remote)
+    return plan_blocks(local, range(spec.layout.num_chunks), remote)
 
 
 def _post_gather(k: torch.Tensor, v: torch.Tensor, spec: AttentionSpec):
@@ -64,7 +70,7 @@ def _sequence_order(gathered: torch.Tensor, layout: ChunkLayout) -> torch.Tensor
 
 def forward(q, k, v, spec: AttentionSpec):
     chunk_len = q.shape[2] // len(spec.layout.local_chunks)
-    local_blocks, remote_blocks = _plans(spec)
+    local_blocks, remote_blocks = _local_plan(spec), _remote_plan(spec)
     gathered, request = _post_gather(k, v, spec)
     acc = ForwardAccumulator(q, chunk_len=chunk_len, num_chunks=len(spec.layout.local_chunks))
     forward_blocks(acc, local_blocks, q, k, v, scale=spec.scale)
@@ -79,11 +85,10 @@ def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
     layout = spec.layout
     chunk_len = q.shape[2] // len(layout.local_chunks)
     c = chunk_len
-    _, remote_blocks = _plans(spec)
+    remote_blocks = _remote_plan(spec)
     # The local work in fine blocks: the first ones hide the all-gather, the last one the
     # reduce-scatter of the K/V gradients.
-    base = causal_visibility if spec.causal else full_visibility
-    local_blocks = plan_blocks(layout.local_chunks, layout.local_chunks, base, causal_squares=False)
+    local_blocks = _local_plan(spec, causal_squares=False)
     split = max(1, len(local_blocks) - 1)
     gathered, request = _post_gather(k, v, spec)
 
