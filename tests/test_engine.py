@@ -3,6 +3,8 @@
 tests/workers/engine_cases.py runs every case under `torch.distributed.run` with gloo on CPU,
 once per world size (2 and 4 processes, a few seconds each), and writes the max abs error of
 the output and of dq/dk/dv per case; each case is then its own test here. fp32 bar: 1e-5.
+Besides plain causal and full attention: sliding windows and chunked attention that cut
+through shards (against SDPA with the explicit mask), value heads of another size (MLA), fp64.
 """
 
 from __future__ import annotations
@@ -27,17 +29,29 @@ CASES = [
     for strategy, causal, load_balance, (q_heads, kv_heads), batch in itertools.product(
         ("allgather", "alltoall"), (True, False), (True, False), ((4, 4), (4, 2), (4, 1)), (1, 2))
 ]
+# Must list what tests/workers/engine_cases.py runs after the plain cases.
+EXTRAS = [dict(window=w) for w in (1, 7, 16, 24, 40, 1000)] + [dict(chunk=c) for c in (5, 16, 24, 40)]
+EXTRAS += [dict(window=10, chunk=24), dict(v_dim=8), dict(v_dim=24), dict(dtype="float64"),
+           dict(dtype="float64", window=24)]
+CASES += [
+    {"strategy": strategy, "causal": causal, "load_balance": load_balance, "q_heads": 4, "kv_heads": 2, "batch": 2,
+     **extra}
+    for strategy, causal, load_balance, extra in itertools.product(("allgather", "alltoall"), (True, False),
+                                                                   (True, False), EXTRAS)
+]
+OPTIONS = ("window", "chunk", "v_dim", "dtype")
 
 
 def case_id(case: dict) -> str:
+    options = [f"{name}{case[name]}" for name in OPTIONS if case.get(name) not in (None, "float32")]
     return "-".join([
         case["strategy"], "causal" if case["causal"] else "full", "balanced" if case["load_balance"] else "plain",
-        f"heads{case['q_heads']}:{case['kv_heads']}", f"batch{case['batch']}",
+        f"heads{case['q_heads']}:{case['kv_heads']}", f"batch{case['batch']}", *options,
     ])
 
 
 def key(case: dict) -> str:
-    return case_id({name: case[name] for name in CASES[0]})
+    return case_id(case)
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +85,9 @@ def test_the_worker_ran_every_case(engine_records, world: int) -> None:
     records = engine_records(world)
     assert records["__count__"] == len(CASES)  # a worker that skips or repeats cases fails here
     assert sorted(k for k in records if k != "__count__") == sorted(case_id(case) for case in CASES)
-    for record in (records[case_id(case)] for case in CASES):
-        assert (record["world"], record["dtype"]) == (world, "float32")
+    for case in CASES:
+        record = records[case_id(case)]
+        assert (record["world"], record["dtype"]) == (world, case.get("dtype", "float32"))
         assert record["seq"] % (2 * world) == 0
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import cpctl
 from cpctl.attention import allgather, ring
 from cpctl.attention.dispatch import RouteSDPA, is_causal_mask
+from cpctl.attention.masks import Mask, Visibility, tiles
 from cpctl.attention.plan import Block
 from cpctl.attention.sharding import ChunkLayout, shard, unshard
 from cpctl.attention.spec import AttentionSpec
@@ -24,10 +25,12 @@ from cpctl.errors import CpctlError
 CP_SIZES = range(1, 9)
 
 
-def spec(cp_size: int, rank: int, *, load_balance: bool, causal: bool) -> AttentionSpec:
-    # Planning reads only the layout and causality; the group is not touched.
+def spec(cp_size: int, rank: int, *, load_balance: bool, causal: bool, window: int | None = None,
+         chunk: int | None = None, chunk_len: int = 4) -> AttentionSpec:
+    # Planning reads only the layout and the mask; the group is not touched.
     layout = ChunkLayout(cp_size=cp_size, cp_rank=rank, load_balance=load_balance)
-    return AttentionSpec(group=None, layout=layout, causal=causal, scale=1.0, strategy="allgather")
+    return AttentionSpec(group=None, layout=layout, mask=Mask(causal=causal, window=window, chunk=chunk), scale=1.0,
+                         strategy="allgather", chunk_len=chunk_len)
 
 
 def covered(blocks: list[Block], q_chunks, kv_chunks) -> Counter:
@@ -228,3 +231,119 @@ def test_route_takes_a_causal_mask_as_is_causal_and_rejects_others() -> None:
     assert calls == [(True, None, False), (True, 0.5, False), (True, None, True)]
     F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(4, 4, dtype=torch.bool))  # outside: untouched
     assert len(calls) == 3
+
+
+# ------------------------------------------------------------------- windows and chunked attention
+
+
+def token_pairs(blocks: list[Block], q_chunks, kv_chunks, s: AttentionSpec) -> torch.Tensor:
+    """How often each (query, key) token pair of the sequence is computed by `blocks`."""
+    c, n = s.chunk_len, s.seq_len
+    count = torch.zeros(n, n, dtype=torch.int64)
+
+    def positions(chunks, start, stop):
+        return torch.cat([torch.arange(chunks[i] * c, (chunks[i] + 1) * c) for i in range(start, stop)])
+
+    for block in blocks:
+        q_pos, k_pos = positions(q_chunks, block.q_start, block.q_stop), positions(kv_chunks, block.kv_start, block.kv_stop)
+        if not block.partial:
+            hit = torch.ones(len(q_pos), len(k_pos), dtype=torch.int64)
+            if block.causal:
+                hit = hit.tril()
+            count[q_pos[:, None], k_pos[None, :]] += hit
+            continue
+        for tile in tiles(s.mask, q_start=block.q_chunk * c, k_start=block.kv_chunk * c, q_len=c, k_len=c, seq_len=n):
+            tq, tk = q_pos[tile.q0:tile.q1], k_pos[tile.k0:tile.k1]
+            if tile.kind is Visibility.FULL:
+                hit = torch.ones(len(tq), len(tk), dtype=torch.int64)
+            elif tile.kind is Visibility.DIAGONAL:
+                assert torch.equal(tq, tk), tile
+                hit = torch.ones(len(tq), len(tk), dtype=torch.int64).tril()
+            else:
+                assert tile.q1 - tile.q0 <= 256 and tile.k1 - tile.k0 <= 256
+                hit = s.mask.dense(tq, tk, seq_len=n).long()
+            count[tq[:, None], tk[None, :]] += hit
+    return count
+
+
+def reference_mask(n: int, *, causal: bool, window: int | None, chunk: int | None) -> torch.Tensor:
+    """Written out independently of masks.Mask, as Hugging Face's mask functions define it."""
+    q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    allowed = (k <= q) if causal else torch.ones(n, n, dtype=torch.bool)
+    if window is not None:
+        allowed &= (k > q - window) if causal else ((q - k).abs() < window)
+    if chunk is not None:
+        allowed &= k // chunk == q // chunk
+    return allowed
+
+
+MASKS = [dict(window=w, chunk=None) for w in (1, 3, 4, 5, 9, 17, 100)] + [dict(window=None, chunk=ch) for ch in (1, 3, 4, 6, 8, 13)]
+MASKS.append(dict(window=6, chunk=10))
+
+
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"window{m['window']}-chunk{m['chunk']}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("load_balance", [True, False], ids=["balanced", "plain"])
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+def test_masked_plans_cover_exactly_the_visible_token_pairs_once(cp_size, load_balance, causal, mask) -> None:
+    ring_count = allgather_count = backward_count = None
+    for rank in range(cp_size):
+        s = spec(cp_size, rank, load_balance=load_balance, causal=causal, **mask)
+        local = s.layout.local_chunks
+        ring_part = sum(token_pairs(ring._plan(s, source), local, s.layout.chunks_of(source), s)
+                        for source in range(cp_size))
+        remote = token_pairs(allgather._remote_plan(s), local, range(s.layout.num_chunks), s)
+        gather_part = token_pairs(allgather._local_plan(s), local, local, s) + remote
+        fine_part = token_pairs(allgather._local_plan(s, causal_squares=False), local, local, s) + remote
+        ring_count = ring_part if ring_count is None else ring_count + ring_part
+        allgather_count = gather_part if allgather_count is None else allgather_count + gather_part
+        backward_count = fine_part if backward_count is None else backward_count + fine_part
+    expected = reference_mask(s.seq_len, causal=causal, **mask).long()
+    assert torch.equal(ring_count, expected)
+    assert torch.equal(allgather_count, expected)
+    assert torch.equal(backward_count, expected)
+
+
+def test_a_window_skips_the_blocks_it_hides() -> None:
+    # 8 chunks of 1024 tokens, window 1024: each query chunk needs its own and the previous chunk only
+    s = spec(4, 0, load_balance=True, causal=True, window=1024, chunk_len=1024)
+    visible = [[s.visibility(qc, kc) for kc in range(8)] for qc in range(8)]
+    for qc in range(8):
+        assert [kc for kc in range(8) if visible[qc][kc] is not Visibility.NONE] == [kc for kc in (qc - 1, qc) if kc >= 0]
+    # the cut chunk pair is a few large kernel calls plus small explicit tiles along the window's edge only
+    pieces = tiles(s.mask, q_start=1024, k_start=0, q_len=1024, k_len=1024, seq_len=8192)
+    explicit = [t for t in pieces if t.kind is Visibility.PARTIAL]
+    area = sum((t.q1 - t.q0) * (t.k1 - t.k0) for t in explicit)
+    assert area <= 1024 * 1024 // 4 and len(pieces) < 40
+
+
+def test_masks_refuse_nonsense_sizes() -> None:
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="positive integer"):
+            Mask(window=bad)
+        with pytest.raises(ValueError, match="positive integer"):
+            Mask(chunk=bad)
+
+
+@pytest.mark.parametrize("explicit_tile", [1, 2, 5, 8])
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"window{m['window']}-chunk{m['chunk']}")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_tiles_of_a_cut_block_cover_its_visible_pairs_once(causal, mask, explicit_tile) -> None:
+    n, length = 96, 32
+    reference = reference_mask(n, causal=causal, **mask)
+    m = Mask(causal=causal, **mask)
+    for q_start, k_start in ((32, 32), (64, 32), (32, 64), (64, 0), (0, 0)):
+        count = torch.zeros(length, length, dtype=torch.int64)
+        for tile in tiles(m, q_start=q_start, k_start=k_start, q_len=length, k_len=length, seq_len=n,
+                          explicit_tile=explicit_tile):
+            rows, cols = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
+            if tile.kind is Visibility.FULL:
+                count[rows, cols] += 1
+            elif tile.kind is Visibility.DIAGONAL:
+                assert q_start + tile.q0 == k_start + tile.k0 and tile.q1 - tile.q0 == tile.k1 - tile.k0
+                count[rows, cols] += torch.ones(tile.q1 - tile.q0, tile.k1 - tile.k0, dtype=torch.int64).tril()
+            else:
+                assert tile.q1 - tile.q0 <= explicit_tile and tile.k1 - tile.k0 <= explicit_tile
+                count[rows, cols] += reference[q_start + tile.q0:q_start + tile.q1, k_start + tile.k0:k_start + tile.k1].long()
+        expected = reference[q_start:q_start + length, k_start:k_start + length].long()
+        assert torch.equal(count, expected), (q_start, k_start)

@@ -22,22 +22,22 @@ from cpctl.attention.blocks import (
     stack_kv,
 )
 from cpctl.attention.comm import all_gather_async, reduce_scatter_sum_async
-from cpctl.attention.plan import Visibility, causal_visibility, full_visibility, plan_blocks
+from cpctl.attention.masks import Visibility
+from cpctl.attention.plan import plan_blocks
 from cpctl.attention.sharding import ChunkLayout
 from cpctl.attention.spec import AttentionSpec
 
 
 def _local_plan(spec: AttentionSpec, *, causal_squares: bool = True):
     """Blocks over this rank's own K/V (forward: one causal call; backward: finer units)."""
-    base = causal_visibility if spec.causal else full_visibility
     local = spec.layout.local_chunks
-    return plan_blocks(local, local, base, causal_squares=causal_squares)
+    return plan_blocks(local, local, spec.visibility, causal_squares=causal_squares)
 
 
 def _remote_plan(spec: AttentionSpec):
     """Blocks over the gathered K/V in sequence order, skipping the chunks this rank holds."""
     local = spec.layout.local_chunks
-    base = causal_visibility if spec.causal else full_visibility
+    base = spec.visibility
 
     def remote(q_chunk: int, kv_chunk: int) -> Visibility:
         return Visibility.NONE if kv_chunk in local else base(q_chunk, kv_chunk)
@@ -73,11 +73,11 @@ def forward(q, k, v, spec: AttentionSpec):
     local_blocks, remote_blocks = _local_plan(spec), _remote_plan(spec)
     gathered, request = _post_gather(k, v, spec)
     acc = ForwardAccumulator(q, chunk_len=chunk_len, num_chunks=len(spec.layout.local_chunks))
-    forward_blocks(acc, local_blocks, q, k, v, scale=spec.scale)
+    forward_blocks(acc, local_blocks, q, k, v, spec=spec)
     request.wait()
     kv_all = _sequence_order(gathered, spec.layout)
     del gathered
-    forward_blocks(acc, remote_blocks, q, kv_all[0], kv_all[1], scale=spec.scale)
+    forward_blocks(acc, remote_blocks, q, kv_all[0], kv_all[1], spec=spec)
     return acc.result(q.dtype)
 
 
@@ -97,7 +97,7 @@ def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
     dq = ChunkSink(seq_chunks(dq_buf, chunk_len=c), num_chunks=len(layout.local_chunks), chunk_len=c)
     dkv_local = ChunkSink(seq_chunks(dkv_local_buf[0], dkv_local_buf[1], chunk_len=c),
                           num_chunks=len(layout.local_chunks), chunk_len=c)
-    rows = dict(dout=dout, q=q, out=out, lse=lse, dq=dq, chunk_len=c, scale=spec.scale)
+    rows = dict(dout=dout, q=q, out=out, lse=lse, dq=dq, chunk_len=c, spec=spec)
     backward_blocks(local_blocks[:split], k=k, v=v, dkv=dkv_local, **rows)
     request.wait()
     kv_all = _sequence_order(gathered, layout)

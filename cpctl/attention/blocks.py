@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from cpctl.attention.kernels import block_backward, block_forward
+from cpctl.attention.kernels import accumulation_dtype, block_backward, block_forward, explicit_backward, explicit_forward
+from cpctl.attention.masks import Visibility, tiles
 from cpctl.attention.plan import Block
+from cpctl.attention.spec import AttentionSpec
 
 
 class ForwardAccumulator:
@@ -21,8 +23,9 @@ class ForwardAccumulator:
     """
 
     def __init__(self, q: torch.Tensor, *, chunk_len: int, num_chunks: int):
+        dtype = accumulation_dtype(q.dtype)
         self.out = empty_seq_major(q.shape, like=q)
-        self.lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        self.lse = torch.empty(q.shape[:3], dtype=dtype, device=q.device)
         self.chunk_len = chunk_len
         self.written = [False] * num_chunks
 
@@ -50,15 +53,73 @@ class ForwardAccumulator:
         return self.out.to(dtype), self.lse
 
 
-def forward_blocks(acc: ForwardAccumulator, blocks: list[Block], q, k, v, *, scale: float) -> None:
+def forward_blocks(acc: ForwardAccumulator, blocks: list[Block], q, k, v, *, spec: AttentionSpec) -> None:
     c = acc.chunk_len
     for blk in blocks:
-        kv_rows = slice(blk.kv_start * c, blk.kv_stop * c)
-        out_b, lse_b = block_forward(
-            q[:, :, blk.q_start * c: blk.q_stop * c], k[:, :, kv_rows], v[:, :, kv_rows],
-            causal=blk.causal, scale=scale,
-        )
+        rows, kv_rows = slice(blk.q_start * c, blk.q_stop * c), slice(blk.kv_start * c, blk.kv_stop * c)
+        if blk.partial:
+            out_b, lse_b = _partial_forward(blk, q[:, :, rows], k[:, :, kv_rows], v[:, :, kv_rows], spec=spec)
+        else:
+            out_b, lse_b = block_forward(q[:, :, rows], k[:, :, kv_rows], v[:, :, kv_rows],
+                                         causal=blk.causal, scale=spec.scale)
         acc.add(blk, out_b, lse_b)
+
+
+def _block_tiles(blk: Block, spec: AttentionSpec):
+    c = spec.chunk_len
+    return tiles(spec.mask, q_start=blk.q_chunk * c, k_start=blk.kv_chunk * c, q_len=c, k_len=c, seq_len=spec.seq_len)
+
+
+def _partial_forward(blk: Block, q, k, v, *, spec: AttentionSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk pair cut by the mask: its tiles merged into (out, lse) as if one kernel call.
+
+    Rows that see none of the pair's keys keep lse = -inf and out = 0, which merge as nothing.
+    """
+    dtype = accumulation_dtype(q.dtype)
+    out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=dtype, device=q.device)
+    lse = torch.full(q.shape[:3], float("-inf"), dtype=dtype, device=q.device)
+    for tile in _block_tiles(blk, spec):
+        qt, kt, vt = q[:, :, tile.q0:tile.q1], k[:, :, tile.k0:tile.k1], v[:, :, tile.k0:tile.k1]
+        if tile.kind is Visibility.PARTIAL:
+            allowed = _tile_mask(blk, tile, spec, q.device)
+            out_t, lse_t = explicit_forward(qt, kt, vt, allowed=allowed, scale=spec.scale)
+        else:
+            out_t, lse_t = block_forward(qt, kt, vt, causal=tile.kind is Visibility.DIAGONAL, scale=spec.scale)
+        rows_out, rows_lse = out[:, :, tile.q0:tile.q1], lse[:, :, tile.q0:tile.q1]
+        new_lse = torch.logaddexp(rows_lse, lse_t.to(dtype))
+        # exp(-inf - -inf) would be nan: rows still empty in both stay empty.
+        keep = torch.exp(rows_lse - new_lse).nan_to_num_(0.0)
+        take = torch.exp(lse_t.to(dtype) - new_lse).nan_to_num_(0.0)
+        rows_out.mul_(keep.unsqueeze(-1)).add_(out_t.to(dtype) * take.unsqueeze(-1))
+        rows_lse.copy_(new_lse)
+    return out, lse
+
+
+def _tile_mask(blk: Block, tile, spec: AttentionSpec, device: torch.device) -> torch.Tensor:
+    c = spec.chunk_len
+    q_pos = torch.arange(blk.q_chunk * c + tile.q0, blk.q_chunk * c + tile.q1, device=device)
+    k_pos = torch.arange(blk.kv_chunk * c + tile.k0, blk.kv_chunk * c + tile.k1, device=device)
+    return spec.mask.dense(q_pos, k_pos, seq_len=spec.seq_len)
+
+
+def _partial_backward(blk: Block, dout, q, k, v, out, lse, *, spec: AttentionSpec):
+    """Gradients of a partial chunk pair, tile by tile, given the row's merged out and lse."""
+    dtype = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    for tile in _block_tiles(blk, spec):
+        rows, keys = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
+        args = (dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                lse[:, :, rows].contiguous())
+        if tile.kind is Visibility.PARTIAL:
+            grads = explicit_backward(*args, allowed=_tile_mask(blk, tile, spec, q.device), scale=spec.scale)
+        else:
+            grads = block_backward(*args, causal=tile.kind is Visibility.DIAGONAL, scale=spec.scale)
+        dq[:, :, rows] += grads[0]
+        dk[:, :, keys] += grads[1]
+        dv[:, :, keys] += grads[2]
+    return dq, dk, dv
 
 
 class ChunkSink:
@@ -100,17 +161,20 @@ def seq_chunks(*buffers: torch.Tensor, chunk_len: int):
 
 
 def backward_blocks(
-    blocks: list[Block], *, dout, q, k, v, out, lse, dq: ChunkSink, dkv: ChunkSink, chunk_len: int, scale: float,
+    blocks: list[Block], *, dout, q, k, v, out, lse, dq: ChunkSink, dkv: ChunkSink, chunk_len: int,
+    spec: AttentionSpec,
 ) -> None:
     """Each block's gradients: dq into the local queries' sink, dk/dv into the K/V buffer's sink."""
     c = chunk_len
     for blk in blocks:
         rows = slice(blk.q_start * c, blk.q_stop * c)
         kv_rows = slice(blk.kv_start * c, blk.kv_stop * c)
-        dq_b, dk_b, dv_b = block_backward(
-            dout[:, :, rows], q[:, :, rows], k[:, :, kv_rows], v[:, :, kv_rows], out[:, :, rows],
-            lse[:, :, rows].contiguous(), causal=blk.causal, scale=scale,
-        )
+        args = (dout[:, :, rows], q[:, :, rows], k[:, :, kv_rows], v[:, :, kv_rows], out[:, :, rows],
+                lse[:, :, rows].contiguous())
+        if blk.partial:
+            dq_b, dk_b, dv_b = _partial_backward(blk, *args, spec=spec)
+        else:
+            dq_b, dk_b, dv_b = block_backward(*args, causal=blk.causal, scale=spec.scale)
         dq.add(blk.q_start, dq_b)
         dkv.add(blk.kv_start, dk_b, dv_b)
 
@@ -124,7 +188,8 @@ def stack_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return kv.transpose(2, 3)
 
 
-def empty_seq_major(shape, *, like: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """An uninitialised (..., B, H, S, D) buffer, seq-major, fp32 unless told."""
+def empty_seq_major(shape, *, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An uninitialised (..., B, H, S, D) buffer, seq-major, in `like`'s accumulation dtype unless told."""
+    dtype = dtype or accumulation_dtype(like.dtype)
     *lead, b, h, s, d = shape
     return torch.empty(*lead, b, s, h, d, dtype=dtype, device=like.device).transpose(-3, -2)

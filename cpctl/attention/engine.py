@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from cpctl.attention import allgather, ring
 from cpctl.attention.kernels import seq_major
+from cpctl.attention.masks import Mask
 from cpctl.attention.sharding import ChunkLayout
 from cpctl.attention.spec import AttentionSpec
 from cpctl.errors import CpctlError
@@ -41,7 +42,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: C
             f"CP attention takes (batch, heads, seq, head_dim) tensors; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+    if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise CpctlError(f"CP attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
     if q.shape[2] != k.shape[2]:
         raise CpctlError(
@@ -54,6 +55,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: C
         if q.shape[1] % k.shape[1]:
             raise CpctlError(f"GQA needs q heads ({q.shape[1]}) to be a multiple of k/v heads ({k.shape[1]})")
     layout.check_length(q.shape[2] * layout.cp_size, what="sequence length (local x cp_size)")
+    if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
+        raise CpctlError(f"CP attention needs q, k, v of one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
 def context_parallel_attention(
@@ -67,11 +70,29 @@ def context_parallel_attention(
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
+    window: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
-    """Attention of this rank's query shard over the whole (sharded) sequence."""
+    """Attention of this rank's query shard over the whole (sharded) sequence.
+
+    `window` and `chunk` narrow what each query sees (see `masks.Mask`); blocks they hide
+    are skipped, not computed and masked.
+    """
     if strategy not in STRATEGIES:
         raise CpctlError(f"cp_comm_strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     check_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)
+    try:
+        mask = Mask(causal=bool(is_causal), window=window, chunk=chunk)
+    except ValueError as exc:
+        raise CpctlError(f"CP attention: {exc}") from None
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-    spec = AttentionSpec(group=group, layout=layout, causal=bool(is_causal), scale=scale, strategy=strategy)
-    return _ContextParallelAttention.apply(q, k, v, spec)
+    spec = AttentionSpec(group=group, layout=layout, mask=mask, scale=scale, strategy=strategy,
+                         chunk_len=q.shape[2] // len(layout.local_chunks))
+    # A value head size other than q/k's (DeepSeek's MLA): zero columns change no score and
+    # no output, and let K and V travel in one buffer through kernels that want one size.
+    qk_dim, v_dim = q.shape[-1], v.shape[-1]
+    if v_dim < qk_dim:
+        v = torch.nn.functional.pad(v, (0, qk_dim - v_dim))
+    elif v_dim > qk_dim:
+        q, k = (torch.nn.functional.pad(t, (0, v_dim - qk_dim)) for t in (q, k))
+    return _ContextParallelAttention.apply(q, k, v, spec)[..., :v_dim]

@@ -197,13 +197,18 @@ def _fold_kv_grad(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return by_seq.unflatten(2, (by_seq.shape[2] // groups, groups)).sum(dim=3).transpose(1, 2)
 
 
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Partial results are merged in fp32, or in the inputs' own dtype where that is wider (fp64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def block_forward(q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of a Q block over one K/V block: (out, fp32 lse of shape (B, H, Sq))."""
+    """Attention of a Q block over one K/V block: (out, lse of shape (B, H, Sq) in the accumulation dtype)."""
     # GQA: K/V travel with their own (fewer) heads and are widened only for the kernel.
     groups = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
     out, lse = kernel_for(q).forward(q, k, v, causal=causal, scale=scale)
-    return out, lse.float()
+    return out, lse.to(accumulation_dtype(q.dtype))
 
 
 def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
@@ -211,4 +216,38 @@ def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
     groups = q.shape[1] // k.shape[1]
     k, v = _expand_kv(k, groups), _expand_kv(v, groups)
     dq, dk, dv = kernel_for(q).backward(dout, q, k, v, out, lse.contiguous(), causal=causal, scale=scale)
+    return dq, _fold_kv_grad(dk, groups), _fold_kv_grad(dv, groups)
+
+
+# ----------------------------------------------------------------------------- explicit tiles
+
+
+def explicit_forward(q, k, v, *, allowed: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A small tile under an arbitrary (Sq, Sk) boolean mask, in the accumulation dtype.
+
+    Used only where a window or chunk boundary cuts a tile (at most EXPLICIT_TILE square),
+    so its score matrix stays small. Rows with no visible key get lse -inf and out 0.
+    """
+    dtype = accumulation_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    k, v = _expand_kv(k, groups).to(dtype), _expand_kv(v, groups).to(dtype)
+    scores = (q.to(dtype) @ k.transpose(-1, -2)).mul_(scale).masked_fill_(~allowed, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
+    return probs @ v, lse
+
+
+def explicit_backward(dout, q, k, v, out, lse, *, allowed: torch.Tensor, scale: float):
+    """Gradients of an explicit tile, given the *merged* out and lse of its rows."""
+    dtype = accumulation_dtype(q.dtype)
+    groups = q.shape[1] // k.shape[1]
+    q32, dout32 = q.to(dtype), dout.to(dtype)
+    k32, v32 = _expand_kv(k, groups).to(dtype), _expand_kv(v, groups).to(dtype)
+    scores = (q32 @ k32.transpose(-1, -2)).mul_(scale).masked_fill_(~allowed, float("-inf"))
+    probs = torch.exp(scores - lse.to(dtype).unsqueeze(-1))
+    dv = probs.transpose(-1, -2) @ dout32
+    delta = (dout32 * out.to(dtype)).sum(dim=-1, keepdim=True)
+    dscores = probs * (dout32 @ v32.transpose(-1, -2) - delta)
+    dq = (dscores @ k32).mul_(scale)
+    dk = (dscores.transpose(-1, -2) @ q32).mul_(scale)
     return dq, _fold_kv_grad(dk, groups), _fold_kv_grad(dv, groups)

@@ -8,26 +8,28 @@ the same thing are grouped so the kernel gets few, large blocks.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-
-class Visibility(enum.Enum):
-    NONE = 0
-    FULL = 1
-    DIAGONAL = 2  # the same chunk: causal mask, square block
+from cpctl.attention.masks import Mask, Visibility
 
 
 @dataclass(frozen=True)
 class Block:
-    """Query chunks [q_start, q_stop) of the local buffer against K/V chunks [kv_start, kv_stop)."""
+    """Query chunks [q_start, q_stop) of the local buffer against K/V chunks [kv_start, kv_stop).
+
+    A `partial` block is one chunk pair that a window or chunked mask cuts through; it keeps
+    the pair's global chunk indices, from which its tiles are planned.
+    """
 
     q_start: int
     q_stop: int
     kv_start: int
     kv_stop: int
     causal: bool
+    partial: bool = False
+    q_chunk: int = -1
+    kv_chunk: int = -1
 
 
 def causal_visibility(q_chunk: int, kv_chunk: int) -> Visibility:
@@ -38,6 +40,19 @@ def causal_visibility(q_chunk: int, kv_chunk: int) -> Visibility:
 
 def full_visibility(q_chunk: int, kv_chunk: int) -> Visibility:
     return Visibility.FULL
+
+
+def mask_visibility(mask: Mask, *, chunk_len: int, num_chunks: int) -> Callable[[int, int], Visibility]:
+    """Visibility of chunk pairs under `mask`, for chunks of `chunk_len` tokens."""
+    if mask.is_plain:
+        return causal_visibility if mask.causal else full_visibility
+    seq_len = chunk_len * num_chunks
+
+    def visibility(q_chunk: int, kv_chunk: int) -> Visibility:
+        return mask.classify(q_chunk * chunk_len, (q_chunk + 1) * chunk_len, kv_chunk * chunk_len,
+                             (kv_chunk + 1) * chunk_len, seq_len=seq_len)
+
+    return visibility
 
 
 def plan_blocks(
@@ -58,6 +73,12 @@ def plan_blocks(
     """
     seen = [[visibility(qc, kc) for kc in kv_chunks] for qc in q_chunks]
     blocks: list[Block] = []
+    for qi, row in enumerate(seen):
+        for kj, vis in enumerate(row):
+            if vis is Visibility.PARTIAL:
+                blocks.append(Block(qi, qi + 1, kj, kj + 1, causal=False, partial=True,
+                                    q_chunk=q_chunks[qi], kv_chunk=kv_chunks[kj]))
+                row[kj] = Visibility.NONE
     squares = _causal_squares(q_chunks, kv_chunks, seen)
     if not causal_squares:
         squares = [(i, i + 1) for start, stop in squares for i in range(start, stop)]

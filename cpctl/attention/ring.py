@@ -21,13 +21,12 @@ from cpctl.attention.blocks import (
     stack_kv,
 )
 from cpctl.attention.comm import Ring, wait_all
-from cpctl.attention.plan import causal_visibility, full_visibility, plan_blocks
+from cpctl.attention.plan import plan_blocks
 from cpctl.attention.spec import AttentionSpec
 
 
 def _plan(spec: AttentionSpec, source_rank: int):
-    visibility = causal_visibility if spec.causal else full_visibility
-    return plan_blocks(spec.layout.local_chunks, spec.layout.chunks_of(source_rank), visibility)
+    return plan_blocks(spec.layout.local_chunks, spec.layout.chunks_of(source_rank), spec.visibility)
 
 
 def _shift(ring: Ring, buffer: torch.Tensor):
@@ -44,7 +43,7 @@ def forward(q, k, v, spec: AttentionSpec):
     kv = stack_kv(k, v)
     for step in range(ring.size):
         incoming, requests = _shift(ring, kv) if step < ring.size - 1 else (kv, [])
-        forward_blocks(acc, _plan(spec, (ring.rank - step) % ring.size), q, kv[0], kv[1], scale=spec.scale)
+        forward_blocks(acc, _plan(spec, (ring.rank - step) % ring.size), q, kv[0], kv[1], spec=spec)
         wait_all(requests)
         kv = incoming
     return acc.result(q.dtype)
@@ -64,7 +63,7 @@ def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
         dkv = empty_seq_major(kv.shape, like=kv)
         dkv_sink = ChunkSink(seq_chunks(dkv[0], dkv[1], chunk_len=c), num_chunks=num_chunks, chunk_len=c)
         backward_blocks(_plan(spec, (ring.rank - step) % ring.size), dout=dout, q=q, k=kv[0], v=kv[1],
-                        out=out, lse=lse, dq=dq, dkv=dkv_sink, chunk_len=c, scale=spec.scale)
+                        out=out, lse=lse, dq=dq, dkv=dkv_sink, chunk_len=c, spec=spec)
         dkv_sink.zero_unwritten()
         if step == 0:
             dkv_home = dkv  # the own block's share stays here; the others' shares travel

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from cpctl.attention.masks import Mask, Visibility
+from cpctl.attention.plan import mask_visibility
 from cpctl.attention.sharding import ChunkLayout
 
 
@@ -13,6 +16,15 @@ from cpctl.attention.sharding import ChunkLayout
 class AttentionSpec:
     group: dist.ProcessGroup
     layout: ChunkLayout
-    causal: bool
+    mask: Mask
     scale: float
     strategy: str  # "allgather" | "alltoall"
+    chunk_len: int  # tokens per chunk of the layout
+
+    @property
+    def seq_len(self) -> int:
+        return self.chunk_len * self.layout.num_chunks
+
+    @property
+    def visibility(self) -> Callable[[int, int], Visibility]:
+        return mask_visibility(self.mask, chunk_len=self.chunk_len, num_chunks=self.layout.num_chunks)

@@ -22,7 +22,21 @@ def gather_full(local: torch.Tensor, layout: ChunkLayout, group) -> torch.Tensor
     return unshard(pieces, seq_dim=2, layout=layout)
 
 
-def run_case(*, strategy, causal, load_balance, q_heads, kv_heads, batch, seq, dtype, device, group):
+def reference_mask(n, *, causal, window, chunk, device):
+    """None for plain attention; else the boolean mask as Hugging Face's mask functions define it."""
+    if window is None and chunk is None:
+        return None
+    q, k = torch.arange(n, device=device)[:, None], torch.arange(n, device=device)[None, :]
+    allowed = (k <= q) if causal else torch.ones(n, n, dtype=torch.bool, device=device)
+    if window is not None:
+        allowed &= (k > q - window) if causal else ((q - k).abs() < window)
+    if chunk is not None:
+        allowed &= k // chunk == q // chunk
+    return allowed
+
+
+def run_case(*, strategy, causal, load_balance, q_heads, kv_heads, batch, seq, dtype, device, group,
+             window=None, chunk=None, v_dim=None):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     layout = ChunkLayout(cp_size=world, cp_rank=rank, load_balance=load_balance)
     gen = torch.Generator().manual_seed(1234)
@@ -31,22 +45,26 @@ def run_case(*, strategy, causal, load_balance, q_heads, kv_heads, batch, seq, d
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
-    q, dout = rand(batch, q_heads, seq, head_dim), rand(batch, q_heads, seq, head_dim)
-    k, v = rand(batch, kv_heads, seq, head_dim), rand(batch, kv_heads, seq, head_dim)
-    ref_inputs = [t.detach().float().clone().requires_grad_() for t in (q, k, v)]  # reference in fp32
-    ref = F.scaled_dot_product_attention(*ref_inputs, is_causal=causal, enable_gqa=kv_heads != q_heads)
-    ref.backward(dout.float())
+    v_dim = v_dim or head_dim
+    q, dout = rand(batch, q_heads, seq, head_dim), rand(batch, q_heads, seq, v_dim)
+    k, v = rand(batch, kv_heads, seq, head_dim), rand(batch, kv_heads, seq, v_dim)
+    ref_dtype = torch.promote_types(dtype, torch.float32)  # reference in fp32 (fp64 for fp64)
+    ref_inputs = [t.detach().to(ref_dtype).clone().requires_grad_() for t in (q, k, v)]
+    mask = reference_mask(seq, causal=causal, window=window, chunk=chunk, device=device)
+    ref = F.scaled_dot_product_attention(*ref_inputs, attn_mask=mask, is_causal=causal and mask is None,
+                                         enable_gqa=kv_heads != q_heads)
+    ref.backward(dout.to(ref_dtype))
 
     local = [shard(t, seq_dim=2, layout=layout).requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(*local, group=group, layout=layout, strategy=strategy,
-                                     is_causal=causal, enable_gqa=kv_heads != q_heads)
+                                     is_causal=causal, enable_gqa=kv_heads != q_heads, window=window, chunk=chunk)
     out.backward(shard(dout, seq_dim=2, layout=layout))
     results = {"out": gather_full(out.detach(), layout, group)}
     for name, tensor in zip("qkv", local):
         results[f"d{name}"] = gather_full(tensor.grad, layout, group)
     expected = {"out": ref.detach(), "dq": ref_inputs[0].grad, "dk": ref_inputs[1].grad, "dv": ref_inputs[2].grad}
-    errors = {name: (results[name].float() - expected[name].float()).abs().max().item() for name in expected}
-    if dtype == torch.float32:
+    errors = {name: (results[name].to(ref_dtype) - expected[name]).abs().max().item() for name in expected}
+    if dtype in (torch.float32, torch.float64):
         return errors, None
     # In low precision, also single-process SDPA in the same dtype: its own distance from fp32,
     # and cpctl's distance from it (SPEC's bar: <= 2e-2 in bf16).
@@ -79,6 +97,24 @@ def main():
         records.append(dict(world=world, strategy=strategy, causal=causal, load_balance=load_balance,
                             q_heads=q_heads, kv_heads=kv_heads, batch=batch, seq=seq,
                             dtype=str(dtype).removeprefix("torch."), errors=errors, sdpa_errors=sdpa_errors))
+    # Windows and chunks cut through shards (chunks of 16 tokens), value heads wider or
+    # narrower than q/k (MLA), fp64: one case each per strategy and balance.
+    extras = [dict(window=w) for w in (1, 7, 16, 24, 40, 1000)] + [dict(chunk=c) for c in (5, 16, 24, 40)]
+    extras += [dict(window=10, chunk=24), dict(v_dim=8), dict(v_dim=24), dict(dtype=torch.float64),
+               dict(dtype=torch.float64, window=24)]
+    if device_type == "cuda":
+        extras = [e for e in extras if e.get("dtype") != torch.float64]
+    for strategy, causal, load_balance, extra in itertools.product(("allgather", "alltoall"), (True, False),
+                                                                   (True, False), extras):
+        dtype = extra.get("dtype", dtypes[0])
+        options = {k: v for k, v in extra.items() if k != "dtype"}
+        seq = 16 * world * 2
+        errors, sdpa_errors = run_case(strategy=strategy, causal=causal, load_balance=load_balance, q_heads=4,
+                                       kv_heads=2, batch=2, seq=seq, dtype=dtype, device=device,
+                                       group=dist.group.WORLD, **options)
+        records.append(dict(world=world, strategy=strategy, causal=causal, load_balance=load_balance, q_heads=4,
+                            kv_heads=2, batch=2, seq=seq, dtype=str(dtype).removeprefix("torch."), errors=errors,
+                            sdpa_errors=sdpa_errors, **options))
     if dist.get_rank() == 0:
         with open(output, "w") as f:
             for record in records:

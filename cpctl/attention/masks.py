@@ -1,0 +1,155 @@
+"""Which keys a query sees, in global token positions, and how a block of pairs splits into kernel calls.
+
+Every mask cpctl computes gives each query row one interval of visible keys, [lo(q), hi(q)],
+with lo and hi never decreasing as q grows: causal, sliding windows (Mistral, Gemma 3) and
+chunked attention (Llama 4), each causal or bidirectional. That shape is what makes a
+rectangle of (query, key) pairs cheap to classify from a few rows: fully visible, hidden,
+a causal square the fused kernels compute with `is_causal`, or partial. A partial rectangle
+is split in halves until every piece is one of the first three or small enough for an
+explicitly masked tile.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class Visibility(enum.Enum):
+    NONE = 0
+    FULL = 1
+    DIAGONAL = 2  # q and kv are the same positions and the mask is causal on them
+    PARTIAL = 3  # anything else: computed in tiles
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Query q sees key k iff lo(q) <= k <= hi(q); positions count from the sequence start.
+
+    `window`: q sees the `window` keys ending at itself (Hugging Face's sliding_window:
+    k > q - window), and as many after it when not causal. `chunk`: q sees only keys of its
+    own `chunk`-token chunk. Both may be set; each narrows the visible interval.
+    """
+
+    causal: bool = True
+    window: int | None = None
+    chunk: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("window", "chunk"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"mask {name} must be a positive integer, got {value!r}")
+
+    @property
+    def is_plain(self) -> bool:
+        return self.window is None and self.chunk is None
+
+    def lo(self, q: int) -> int:
+        lo = 0
+        if self.window is not None:
+            lo = max(lo, q - self.window + 1)
+        if self.chunk is not None:
+            lo = max(lo, q // self.chunk * self.chunk)
+        return lo
+
+    def hi(self, q: int, seq_len: int) -> int:
+        if self.causal:
+            return q
+        hi = seq_len - 1
+        if self.window is not None:
+            hi = min(hi, q + self.window - 1)
+        if self.chunk is not None:
+            hi = min(hi, (q // self.chunk + 1) * self.chunk - 1)
+        return hi
+
+    def classify(self, q0: int, q1: int, k0: int, k1: int, *, seq_len: int) -> Visibility:
+        """The rectangle of queries [q0, q1) and keys [k0, k1), from its corner rows (lo, hi monotone)."""
+        if self._hidden(q0, q1, k0, k1, seq_len):
+            return Visibility.NONE
+        if self.lo(q1 - 1) <= k0 and self.hi(q0, seq_len) >= k1 - 1:
+            return Visibility.FULL
+        if self.causal and (q0, q1) == (k0, k1) and self.lo(q1 - 1) <= k0:
+            return Visibility.DIAGONAL
+        return Visibility.PARTIAL
+
+    def _hidden(self, q0: int, q1: int, k0: int, k1: int, seq_len: int) -> bool:
+        # Rows whose interval ends before k0 form a prefix, rows whose interval starts after
+        # k1 - 1 a suffix; the rectangle is hidden iff the two cover every row.
+        prefix_end = _first(q0, q1, lambda q: self.hi(q, seq_len) >= k0)
+        suffix_start = _first(q0, q1, lambda q: self.lo(q) > k1 - 1)
+        return suffix_start <= prefix_end
+
+    def dense(self, q_pos: torch.Tensor, k_pos: torch.Tensor, *, seq_len: int) -> torch.Tensor:
+        """The boolean (len(q_pos), len(k_pos)) mask of explicit positions."""
+        q, k = q_pos[:, None], k_pos[None, :]
+        visible = k <= q if self.causal else torch.ones_like(q, dtype=torch.bool) & (k < seq_len)
+        if self.window is not None:
+            visible = visible & (k > q - self.window)
+            if not self.causal:
+                visible = visible & (k < q + self.window)
+        if self.chunk is not None:
+            visible = visible & (k // self.chunk == q // self.chunk)
+        return visible
+
+
+def _first(start: int, stop: int, predicate) -> int:
+    """The first q in [start, stop) where a monotone (False..True) predicate holds, else stop."""
+    while start < stop:
+        mid = (start + stop) // 2
+        if predicate(mid):
+            stop = mid
+        else:
+            start = mid + 1
+    return start
+
+
+@dataclass(frozen=True)
+class Tile:
+    """Rows [q0, q1) x keys [k0, k1) of a block, offsets into it; `kind` FULL, DIAGONAL or PARTIAL."""
+
+    q0: int
+    q1: int
+    k0: int
+    k1: int
+    kind: Visibility
+
+
+# A partial tile at most this many rows and keys is computed with an explicit mask: small
+# enough that its score matrix is cheap, large enough that long windows need few of them.
+EXPLICIT_TILE = 256
+
+
+def tiles(mask: Mask, *, q_start: int, k_start: int, q_len: int, k_len: int, seq_len: int,
+          explicit_tile: int = EXPLICIT_TILE) -> list[Tile]:
+    """Split the block of queries [q_start, +q_len) x keys [k_start, +k_len) into kernel-ready tiles.
+
+    Hidden pieces are dropped, so work follows the visible area, not the block's.
+    """
+    out: list[Tile] = []
+
+    def visit(q0: int, q1: int, k0: int, k1: int) -> None:
+        kind = mask.classify(q_start + q0, q_start + q1, k_start + k0, k_start + k1, seq_len=seq_len)
+        if kind is Visibility.NONE:
+            return
+        if kind is not Visibility.PARTIAL or (q1 - q0 <= explicit_tile and k1 - k0 <= explicit_tile):
+            out.append(Tile(q0, q1, k0, k1, kind))
+            return
+        # Halve the longer side; a square on the diagonal is halved on both, so the causal
+        # squares along it are found.
+        if q1 - q0 >= k1 - k0:
+            mid = (q0 + q1) // 2
+            halves = [(q0, mid, k0, k1), (mid, q1, k0, k1)]
+        else:
+            mid = (k0 + k1) // 2
+            halves = [(q0, q1, k0, mid), (q0, q1, mid, k1)]
+        if q_start + q0 == k_start + k0 and q1 - q0 == k1 - k0:
+            qm, km = (q0 + q1) // 2, (k0 + k1) // 2
+            halves = [(q0, qm, k0, km), (q0, qm, km, k1), (qm, q1, k0, km), (qm, q1, km, k1)]
+        for piece in halves:
+            visit(*piece)
+
+    visit(0, q_len, 0, k_len)
+    return out
