@@ -16,17 +16,23 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import datetime
+import gc
 import json
 import os
+import sys
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from cpctl import huggingface
 from cpctl import profile as profiles
 from cpctl.attention import ChunkLayout, context_parallel_attention
 from cpctl.attention import sharding
@@ -45,6 +51,7 @@ class Runtime:
     device: torch.device
     axes: dict[str, DeviceMesh]  # every axis by name, flattened ones included
     _cp_active: bool = False  # inside maybe_context_parallel
+    _seq_lengths: dict[int, int] = field(default_factory=dict)  # this step's sharded lengths: full -> local
 
     # ------------------------------------------------------------------ coordinates
 
@@ -81,6 +88,11 @@ class Runtime:
         return self.axes["cp"].get_group()
 
     @property
+    def cp_active(self) -> bool:
+        """Inside maybe_context_parallel, with cp_size > 1."""
+        return self._cp_active
+
+    @property
     def layout(self) -> ChunkLayout:
         return ChunkLayout(cp_size=self.cp_size, cp_rank=self.cp_rank,
                            load_balance=self.config.parallelism.cp_load_balance)
@@ -94,6 +106,9 @@ class Runtime:
         `blocks` are the modules to shard one by one (default: the children of the model's
         largest ModuleList, e.g. `model.layers`).
         """
+        if self.cp_size > 1 and huggingface.is_huggingface_model(model):
+            huggingface.prepare(model, self)
+        before = {id(p): p for p in model.parameters()}
         model = model.to(self.device)
         if self.config.parallelism.tp_size > 1:
             apply_tensor_parallel(model, tp_mesh=self.axes["tp"], tp_plan=tp_plan)
@@ -110,6 +125,7 @@ class Runtime:
                 "fsdp.version: 1 with several data-parallel ranks; cpctl's prepare_model applies FSDP2 only: "
                 "set fsdp.version: 2 (or wrap the model in DDP/FSDP yourself and skip prepare_model)"
             )
+        _forget_replaced_parameters(before, model)
         return model
 
     def _recompute_context(self) -> contextlib.AbstractContextManager:
@@ -151,14 +167,69 @@ class Runtime:
         return sharding.unshard(pieces, seq_dim=seq_dim, layout=self.layout)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
-                  scale: float | None = None, enable_gqa: bool = False) -> torch.Tensor:
-        """CP attention on already-sharded (batch, heads, local_seq, head_dim) tensors."""
-        if self.cp_size == 1:
+                  scale: float | None = None, enable_gqa: bool = False, window: int | None = None,
+                  chunk: int | None = None) -> torch.Tensor:
+        """CP attention on already-sharded (batch, heads, local_seq, head_dim) tensors.
+
+        `window`: each query sees the `window` keys ending at itself (and as many after it when
+        not causal); `chunk`: only keys of its own `chunk`-token chunk (Llama 4).
+        """
+        if self.cp_size == 1 and window is None and chunk is None:
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         return context_parallel_attention(
             q, k, v, group=self.cp_group, layout=self.layout, strategy=self.config.parallelism.cp_comm_strategy,
-            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window, chunk=chunk)
+
+    def require_sharded(self, tensor: torch.Tensor | None, *, name: str, seq_dim: int) -> None:
+        """Inside maybe_context_parallel: `tensor` must have this step's local length along `seq_dim`."""
+        if tensor is None or not self._cp_active or tensor.dim() <= seq_dim % max(tensor.dim(), 1):
+            return
+        length = tensor.shape[seq_dim]
+        if length in self._seq_lengths.values():
+            return
+        if length in self._seq_lengths:
+            raise CpctlError(
+                f"{name} has the full sequence length {length} inside maybe_context_parallel; add it to buffers "
+                "(with its sequence dim) so it is sharded like the other inputs"
+            )
+        raise CpctlError(f"{name} has sequence length {length}, but this step's sharded buffers have "
+                         f"{sorted(self._seq_lengths.values())} tokens per rank")
+
+    def check_one_sequence(self, position_ids: torch.Tensor) -> None:
+        """Position ids that restart (packed documents) cannot be ignored: refuse them."""
+        full = self.unshard(position_ids, seq_dim=-1)
+        if full.shape[-1] > 1 and bool((full.diff(dim=-1) != 1).any()):
+            raise CpctlError(
+                "position_ids restart inside a sequence (packed documents) under context parallelism; cpctl does "
+                "not compute document masks yet: pass one document per row, or consecutive position ids"
+            )
+
+    def shift_sharded(self, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
+        """Next-token labels of a sharded (batch, local_seq) tensor, as `cpctl.shift_labels` gives
+        them on the full sequence: each chunk's last token takes the next chunk's first."""
+        if self.cp_size == 1:
+            from cpctl.data import shift_labels
+
+            return shift_labels(labels, ignore_index=ignore_index)
+        layout, chunk_len = self.layout, labels.shape[1] // len(self.layout.local_chunks)
+        firsts = labels[:, ::chunk_len].contiguous()  # (batch, local chunks)
+        gathered = [torch.empty_like(firsts) for _ in range(self.cp_size)]
+        dist.all_gather(gathered, firsts, group=self.cp_group)
+        first_of = {chunk: gathered[rank][:, pos] for rank in range(self.cp_size)
+                    for pos, chunk in enumerate(layout.chunks_of(rank))}
+        shifted = torch.full_like(labels, ignore_index)
+        for pos, chunk in enumerate(layout.local_chunks):
+            start, stop = pos * chunk_len, (pos + 1) * chunk_len
+            shifted[:, start:stop - 1] = labels[:, start + 1:stop]
+            if chunk + 1 < layout.num_chunks:
+                shifted[:, stop - 1] = first_of[chunk + 1]
+        return shifted
+
+    def reduce_over_dp_cp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` in place over the ranks whose gradients FSDP averages (dp x cp)."""
+        dist.all_reduce(tensor, group=self.axes["dp_cp"].get_group())
+        return tensor
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, *, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
@@ -171,24 +242,60 @@ class Runtime:
         if self.cp_size == 1:
             yield
             return
+        self._check_same_inputs(buffers)
         originals = []
         with torch.no_grad():
             # Every shard first (each checks its length), so a bad buffer leaves none half-done.
             shards = [sharding.shard(b, seq_dim=d, layout=self.layout) for b, d in zip(buffers, buffer_seq_dims)]
+            self._seq_lengths = {b.shape[d]: s.shape[d] for b, s, d in zip(buffers, shards, buffer_seq_dims)}
             for buffer, local in zip(buffers, shards):
                 keep = not any(buffer is t for t in no_restore)
                 originals.append(_alias(buffer) if keep else None)
                 buffer.set_(local)
         self._cp_active = True
         try:
-            with RouteSDPA(self.attention):
+            with RouteSDPA(self.attention, cp_size=self.cp_size):
                 yield
         finally:
             self._cp_active = False
+            self._seq_lengths = {}
             with torch.no_grad():
                 for buffer, original in zip(buffers, originals):
                     if original is not None:
                         buffer.set_(original)
+
+    def _check_same_inputs(self, buffers: list[torch.Tensor]) -> None:
+        """Every rank of a CP group must hold the same full buffers: compare cheap fingerprints."""
+        mine = _fingerprints(buffers).to(self.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.cp_size)]
+        dist.all_gather(gathered, mine, group=self.cp_group)
+        for rank, theirs in enumerate(gathered):
+            if not torch.equal(theirs, gathered[0]):
+                row = int((theirs != gathered[0]).any(dim=1).nonzero()[0])
+                what = "how many buffers" if row == 0 else f"buffer {row - 1} (shape or contents)"
+                raise CpctlError(
+                    f"maybe_context_parallel: CP ranks {self.cp_rank_to_global(0)} and {self.cp_rank_to_global(rank)} "
+                    f"got different inputs ({what} differs); every rank of a CP group must get the same batch: "
+                    "load data with rt.prepare_dataloader, or seed every rank alike"
+                )
+
+    def raise_together(self, problem: str | None) -> None:
+        """Raise on every CP rank if any found `problem` in its own shard.
+
+        An error on some ranks only would leave the others in the next collective, waiting for
+        peers that are gone (or, worse, matched with the wrong call).
+        """
+        flag = torch.tensor([0 if problem is None else 1], device=self.device)
+        dist.all_reduce(flag, group=self.cp_group)
+        if not int(flag.item()):
+            return
+        problems = [None] * self.cp_size
+        dist.all_gather_object(problems, problem, group=self.cp_group)
+        rank, first = next((r, p) for r, p in enumerate(problems) if p is not None)
+        raise CpctlError(first if problem is not None else f"CP rank {self.cp_rank_to_global(rank)}: {first}")
+
+    def cp_rank_to_global(self, cp_rank: int) -> int:
+        return dist.get_process_group_ranks(self.cp_group)[cp_rank]
 
     # ------------------------------------------------------------------ losses
 
@@ -199,6 +306,7 @@ class Runtime:
         so that, after FSDP averages gradients over the dp_replicate x dp_shard x cp ranks,
         every parameter holds the single-process gradient of the global token mean.
         """
+        self.require_sharded(labels, name="token_mean's labels", seq_dim=1 if labels.dim() > 1 else 0)
         group = self.axes["dp_cp"].get_group()
         stats = torch.stack([loss_sum.detach().float(), (labels != ignore_index).sum().float()])
         dist.all_reduce(stats, group=group)
@@ -217,6 +325,56 @@ class EpochDataLoader(torch.utils.data.DataLoader):
         self.sampler.set_epoch(self._epoch)
         self._epoch += 1
         return super().__iter__()
+
+
+_FINGERPRINT_ROWS, _FINGERPRINT_SAMPLE = 16, 65536
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _fingerprints(buffers: list[torch.Tensor]) -> torch.Tensor:
+    """(rows, 8) int64: a header row with the count, then per buffer its shape and a hash of
+    up to 65536 evenly spaced elements (their bits, so floats compare exactly)."""
+    table = torch.zeros(_FINGERPRINT_ROWS + 1, 8, dtype=torch.int64)
+    table[0, 0] = len(buffers)
+    for row, buffer in enumerate(buffers[:_FINGERPRINT_ROWS], start=1):
+        shape = list(buffer.shape)[-6:]
+        table[row, 0] = buffer.dim()
+        table[row, 1:1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+        flat = buffer.detach().reshape(-1)
+        flat = flat[:: max(1, flat.numel() // _FINGERPRINT_SAMPLE)]
+        if flat.is_floating_point() or flat.is_complex():
+            flat = flat.contiguous().view(_SAME_WIDTH_INT[flat.element_size()])
+        values = flat.to(torch.int64).cpu()
+        weights = torch.arange(values.numel(), dtype=torch.int64) % 1_000_003 + 1
+        table[row, 7] = int((values * weights).sum())
+    return table
+
+
+def _forget_replaced_parameters(before: dict[int, torch.Tensor], model: nn.Module) -> None:
+    """Remember the parameters prepare_model replaced, so an optimizer that still holds them
+    (created before prepare_model: it would train nothing) fails at its first step."""
+    kept = {id(p) for p in model.parameters()}
+    for key, param in before.items():
+        if key not in kept:
+            _REPLACED[key] = param
+    global _OPTIMIZER_HOOK
+    if _REPLACED and _OPTIMIZER_HOOK is None:
+        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_refuse_replaced_parameters)
+
+
+_REPLACED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_OPTIMIZER_HOOK = None
+
+
+def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if _REPLACED.get(id(param)) is param:
+                raise CpctlError(
+                    f"{type(optimizer).__name__} holds the model's parameters from before rt.prepare_model, which "
+                    "replaced them (FSDP2 shards them): it would train nothing. Create the optimizer after "
+                    "rt.prepare_model, from the model it returns"
+                )
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
@@ -255,6 +413,11 @@ _RUNTIME: Runtime | None = None
 _INIT_OVERRIDES: dict[str, Any] = {}
 
 
+def active_runtime() -> Runtime | None:
+    """The runtime while inside its maybe_context_parallel with cp_size > 1, else None."""
+    return _RUNTIME if _RUNTIME is not None and _RUNTIME.cp_active else None
+
+
 def init(**overrides: Any) -> Runtime:
     """Start this process's runtime once; later calls return the same one.
 
@@ -272,6 +435,7 @@ def init(**overrides: Any) -> Runtime:
     device = _device_for(config)
     if not dist.is_initialized():
         _init_process_group(device)
+        _note_uncaught_exceptions()
         atexit.register(_shutdown)
     mesh, axes = build_mesh(config.parallelism, device_type=device.type)
     _RUNTIME, _INIT_OVERRIDES = Runtime(config=config, mesh=mesh, device=device, axes=axes), dict(overrides)
@@ -327,8 +491,36 @@ def _init_process_group(device: torch.device) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
+_FAILED = False  # an exception ended the script: peers may never reach the exit barrier
+_EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=30)
+
+
+def _note_uncaught_exceptions() -> None:
+    previous = sys.excepthook
+
+    def hook(*exc_info):
+        global _FAILED
+        _FAILED = True
+        previous(*exc_info)
+
+    sys.excepthook = hook
+
+
 def _shutdown() -> None:
+    """Tear the process groups down while Python is fully alive.
+
+    gloo's worker threads may still hold the tensors of finished collectives; if they free them
+    during interpreter finalization, the thread is killed mid-destructor and the process aborts
+    ("terminate called without an active exception", exit 134). A barrier first lets every
+    rank's threads go idle and no rank close connections a peer still uses; collecting garbage
+    after destroy_process_group frees the groups FSDP's and the mesh's reference cycles hold.
+    """
     global _RUNTIME
     _RUNTIME = None
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    if not _FAILED and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+        with contextlib.suppress(RuntimeError):  # a peer that never arrives must not hold this rank
+            dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
+    dist.destroy_process_group()
+    gc.collect()

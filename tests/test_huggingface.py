@@ -32,3 +32,30 @@ def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, layout
     assert (result["cp"], result["tp"]) == (cp, tp) and result["n_params"] > 0
     assert result["logits"] <= 1e-5
     assert result["grads"] <= 1e-5
+    if cp > 1:
+        refusals = result["refusals"]
+        for name, fragments in REFUSALS.items():
+            assert refusals[name] is not None, f"{name} was not refused"
+            for fragment in fragments:
+                assert fragment in refusals[name], refusals[name]
+
+
+REFUSALS = {
+    "padding_mask": ["attention_mask with padding", "without padding"],
+    "use_cache": ["use_cache=False"],
+    "packed_positions": ["packed documents"],
+    "labels_not_in_buffers": ["labels has the full sequence length 64", "add it to buffers"],
+    "attention_dropout": ["attention_dropout=0.1", "set it to 0.0"],
+}
+
+
+def test_config_problems_name_the_setting() -> None:
+    from types import SimpleNamespace
+
+    from cpctl.huggingface import _config_problems
+
+    assert list(_config_problems(SimpleNamespace(layer_types=["full_attention", "sliding_attention"]))) == []
+    hybrid = list(_config_problems(SimpleNamespace(layer_types=["full_attention", "linear_attention"])))
+    assert len(hybrid) == 1 and "'linear_attention'" in hybrid[0] and "cannot be sharded" in hybrid[0]
+    capped = list(_config_problems(SimpleNamespace(attn_logit_softcapping=50.0)))
+    assert len(capped) == 1 and "attn_logit_softcapping=50.0" in capped[0] and "set it to None" in capped[0]

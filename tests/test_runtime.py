@@ -107,6 +107,29 @@ def test_bad_input_is_a_clear_error(cp_ranks, name: str) -> None:
             assert fragment in error["message"], error["message"]
 
 
+MISUSE = {
+    "labels_left_out": ["8 logits but 16 labels", "not sharded", "add them to maybe_context_parallel's buffers"],
+    "token_mean_full_labels": ["full sequence length 8", "add it to buffers"],
+    "different_data": ["got different inputs", "buffer 0", "rt.prepare_dataloader"],
+    "different_lengths": ["got different inputs", "rt.prepare_dataloader"],
+    "optimizer_before_prepare": ["SGD", "before rt.prepare_model", "Create the optimizer after"],
+}
+
+
+@pytest.mark.parametrize("name", MISUSE)
+def test_misuse_is_a_clear_error_on_every_rank(cp_ranks, name: str) -> None:
+    for result in case(cp_ranks, "misuse"):
+        error = result[name]
+        assert error["type"] == "CpctlError", error
+        for fragment in MISUSE[name]:
+            assert fragment in error["message"], error["message"]
+
+
+def test_an_optimizer_made_before_prepare_model_is_refused_in_one_process(single_rank) -> None:
+    error = single_rank["misuse_single"]["optimizer_before_prepare"]
+    assert error["type"] == "CpctlError" and "before rt.prepare_model" in error["message"], error
+
+
 def test_an_error_inside_the_context_still_restores_the_buffers(cp_ranks) -> None:
     for result in case(cp_ranks, "bad_inputs"):
         assert result["ids_after_errors"] == [list(range(8))]

@@ -42,17 +42,37 @@ def is_causal_mask(mask: torch.Tensor, q_len: int, k_len: int) -> bool:
     return bool((allowed == lower).all())
 
 
+_LOSSES = (F.cross_entropy, F.nll_loss)
+
+
+def _check_loss_lengths(args, kwargs, cp_size: int) -> None:
+    """Sharded logits against unsharded labels: say so, instead of torch's bare shape error."""
+    logits = args[0] if args else kwargs.get("input")
+    target = args[1] if len(args) > 1 else kwargs.get("target")
+    if cp_size == 1 or not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor) or logits.dim() < 2:
+        return
+    tokens = logits.numel() // logits.shape[1]  # the class dim is dim 1
+    if target.numel() == tokens * cp_size:
+        raise CpctlError(
+            f"the loss got {tokens} logits but {target.numel()} labels under context parallelism ({cp_size} ranks): "
+            "the labels are not sharded; add them to maybe_context_parallel's buffers"
+        )
+
+
 class RouteSDPA(TorchFunctionMode):
     """Inside: SDPA calls go to `attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)`."""
 
-    def __init__(self, attention: Callable[..., torch.Tensor]):
+    def __init__(self, attention: Callable[..., torch.Tensor], *, cp_size: int = 1):
         super().__init__()
         self.attention = attention
+        self.cp_size = cp_size
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _MHA:
             return self._multi_head_attention(func, args, kwargs)
+        if func in _LOSSES:
+            _check_loss_lengths(args, kwargs, self.cp_size)
         if func is not _SDPA:
             return func(*args, **kwargs)
         call = _bind(args, kwargs)

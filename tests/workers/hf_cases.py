@@ -43,10 +43,42 @@ def main() -> None:
     grad_error = max(
         (param.grad.full_tensor() - grads[name].grad).abs().max().item() for name, param in model.named_parameters()
     )
+    refusals = refused_calls(rt, model, config) if rt.cp_size > 1 else {}  # after the step: they raise mid-forward
     if rt.is_main:
         with open(sys.argv[1], "w") as f:
             json.dump({"cp": rt.cp_size, "tp": rt.config.parallelism.tp_size, "logits": (full_logits - ref_logits.detach()).abs().max().item(),
-                       "grads": grad_error, "n_params": len(grads)}, f)
+                       "grads": grad_error, "n_params": len(grads), "refusals": refusals}, f)
+
+
+def refused_calls(rt, model, config) -> dict:
+    """Calls CP cannot make exact, each answered with one clear error: {case: message or None}."""
+    def error_of(action):
+        try:
+            action()
+        except cpctl.CpctlError as exc:
+            return str(exc)
+        return None
+
+    def step(**call):
+        ids = torch.randint(config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))
+        buffers = [ids] + [t for t in call.values() if isinstance(t, torch.Tensor) and t.shape == ids.shape and t.dim() == 2
+                           and call.get("_unsharded") is not t]
+        call.pop("_unsharded", None)
+        with rt.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
+            model(input_ids=ids, **call)
+
+    padded = torch.ones(2, 64, dtype=torch.long)
+    padded[0, :5] = 0
+    packed = torch.cat([torch.arange(40), torch.arange(24)]).repeat(2, 1)
+    full_labels = torch.zeros(2, 64, dtype=torch.long)
+    return {
+        "padding_mask": error_of(lambda: step(attention_mask=padded)),
+        "use_cache": error_of(lambda: step(use_cache=True)),
+        "packed_positions": error_of(lambda: step(position_ids=packed)),
+        "labels_not_in_buffers": error_of(lambda: step(labels=full_labels, _unsharded=full_labels)),
+        "attention_dropout": error_of(lambda: rt.prepare_model(LlamaForCausalLM(config.__class__(
+            **{**config.to_dict(), "attention_dropout": 0.1})))),
+    }
 
 
 if __name__ == "__main__":

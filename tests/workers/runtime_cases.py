@@ -379,10 +379,59 @@ def case_single_process_noop(rt: Runtime) -> dict:
     }
 
 
+def case_misuse(rt: Runtime) -> dict:
+    """Mistakes that used to give a bare torch error, a hang or a silently wrong answer."""
+    results: dict[str, dict] = {}
+    ids = torch.arange(16).view(2, 8)
+    labels = cpctl.shift_labels(ids)
+    logits_of = randn(70, 2, 8, 32)  # stands in for a model's logits, sharded with the ids
+
+    def labels_left_out():
+        logits, kept_ids = logits_of.clone(), ids.clone()
+        with rt.maybe_context_parallel(buffers=[kept_ids, logits], buffer_seq_dims=[1, 1]):
+            F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+
+    def token_mean_of_full_labels():
+        kept_ids = ids.clone()
+        with rt.maybe_context_parallel(buffers=[kept_ids], buffer_seq_dims=[1]):
+            rt.token_mean(torch.ones(()), labels)
+
+    def different_data():
+        mine = ids.clone() + rt.cp_rank  # as if each rank drew its own batch
+        with rt.maybe_context_parallel(buffers=[mine], buffer_seq_dims=[1]):
+            pass
+
+    def different_lengths():
+        mine = torch.arange(8 * (1 + rt.cp_rank)).view(1, -1)
+        with rt.maybe_context_parallel(buffers=[mine], buffer_seq_dims=[1]):
+            pass
+
+    results["labels_left_out"] = error_of(labels_left_out)
+    results["token_mean_full_labels"] = error_of(token_mean_of_full_labels)
+    results["different_data"] = error_of(different_data)
+    results["different_lengths"] = error_of(different_lengths)
+    results["optimizer_before_prepare"] = optimizer_before_prepare(rt)
+    return results
+
+
+def optimizer_before_prepare(rt: Runtime) -> dict:
+    """An optimizer built on the parameters prepare_model replaces would train nothing: refused."""
+    model = TinyLM()
+    stale = torch.optim.SGD(model.parameters(), lr=1e-3)
+    model = rt.prepare_model(model)
+    fresh = torch.optim.SGD(model.parameters(), lr=1e-3)
+    fresh.step()  # the right order still works
+    return error_of(stale.step)
+
+
+def case_misuse_single(rt: Runtime) -> dict:
+    return {"optimizer_before_prepare": optimizer_before_prepare(rt)}
+
+
 CP_CASES = [case_attributes, case_bad_inputs, case_causal_mask_accepted, case_buffers, case_shard_unshard,
             case_functional_attention, case_model_in_context, case_token_mean, case_fsdp_gradients,
-            case_two_groups, case_dataloader, case_multihead_attention]
-SINGLE_CASES = [case_attributes, case_single_process_noop, case_shard_unshard, case_token_mean]
+            case_two_groups, case_dataloader, case_multihead_attention, case_misuse]
+SINGLE_CASES = [case_attributes, case_single_process_noop, case_shard_unshard, case_token_mean, case_misuse_single]
 
 
 def main() -> None:

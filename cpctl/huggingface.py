@@ -1,0 +1,254 @@
+"""Hugging Face transformers models under CP, unmodified: attention, masks, positions and `.loss`.
+
+A model prepared with cp_size > 1 gets the attention implementation "cpctl", registered with
+transformers' own `AttentionInterface` and `AttentionMaskInterface` (the hooks libraries that
+bring their own attention use):
+
+* masks: inside `maybe_context_parallel` no mask is built from a shard (a shard is not a
+  sequence: its head-tail chunks look like packed documents, its length hides windows);
+  outside, masks are what "sdpa" builds;
+* attention: inside, the layer's own pattern (causal or not, its sliding window, its
+  attention chunk) is read from the module and the config and computed by the CP engine;
+  outside, it is "sdpa" unchanged;
+* the model's forward: position ids the caller left out are filled in with the true ones,
+  and `labels` get the single-process loss: shifted over the whole sequence and averaged
+  over every token of the dp x cp batch.
+
+What cannot be expressed is refused before the first step, from the config, or at the call,
+with the setting to change: never a silently different model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from cpctl.errors import CpctlError
+
+if TYPE_CHECKING:
+    from cpctl.runtime import Runtime
+
+IMPLEMENTATION = "cpctl"
+# Layer kinds (config.layer_types) that call the attention function; anything else mixes
+# tokens some other way (linear attention, state spaces, convolutions) that CP cannot shard.
+ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
+IGNORE_INDEX = -100
+
+
+def is_huggingface_model(model: nn.Module) -> bool:
+    import sys
+
+    if "transformers" not in sys.modules:  # never import it for a model that is not one
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+# ---------------------------------------------------------------------------- before the first step
+
+
+def prepare(model: nn.Module, runtime: Runtime) -> None:
+    """Check `model`'s config for what CP cannot compute, then route its attention through cpctl."""
+    config = model.config
+    problems = list(_config_problems(config))
+    if problems:
+        raise CpctlError(f"{type(model).__name__} cannot run under context parallelism: {problems[0]}")
+    _register()
+    model.set_attn_implementation(IMPLEMENTATION)
+    if model.config._attn_implementation != IMPLEMENTATION:
+        raise CpctlError(
+            f"{type(model).__name__} does not take attention implementations through transformers' "
+            "AttentionInterface, so cpctl cannot see its masks; run it with cp_size 1"
+        )
+    model.register_forward_pre_hook(lambda module, args, kwargs: _before_forward(module, args, kwargs, runtime),
+                                    with_kwargs=True)
+    model.register_forward_hook(lambda module, args, output: _after_forward(module, output, runtime))
+
+
+def _config_problems(config) -> Iterator[str]:
+    configs = [config, *(getattr(config, name) for name in getattr(config, "sub_configs", {}) if getattr(config, name, None) is not None)]
+    for cfg in configs:
+        if getattr(cfg, "attn_logit_softcapping", None) is not None:
+            yield (f"attn_logit_softcapping={cfg.attn_logit_softcapping} caps scores inside attention, which fused "
+                   "kernels cannot do; set it to None")
+        for name in ("attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"):
+            if getattr(cfg, name, 0) not in (0, 0.0, None):
+                yield f"{name}={getattr(cfg, name)}: attention dropout is not supported under CP; set it to 0.0"
+        for kind in set(getattr(cfg, "layer_types", None) or ()):
+            if kind not in ATTENTION_LAYERS:
+                yield (f"its layer_types include {kind!r}, which mixes tokens outside attention and cannot be "
+                       f"sharded by sequence; cpctl shards {', '.join(ATTENTION_LAYERS)} layers")
+
+
+_registered = False
+
+
+def _register() -> None:
+    global _registered
+    if _registered:
+        return
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(IMPLEMENTATION, attention)
+    AttentionMaskInterface.register(IMPLEMENTATION, mask)
+    _registered = True
+
+
+# ---------------------------------------------------------------------------- masks and attention
+
+
+def _active() -> Runtime | None:
+    from cpctl.runtime import active_runtime
+
+    return active_runtime()
+
+
+PADDING = ("an attention_mask with padding under context parallelism; CP shards one unpadded sequence per row: "
+           "pack sequences without padding (or pad with tokens whose labels are -100 and pass no attention_mask)")
+
+
+def _padding_problem(attention_mask: torch.Tensor | None) -> str | None:
+    return PADDING if attention_mask is not None and not bool(attention_mask.all()) else None
+
+
+def mask(*args: Any, attention_mask: torch.Tensor | None = None, use_vmap: bool = False, **kwargs: Any):
+    """transformers' mask hook: under CP build nothing (the engine knows each layer's pattern)."""
+    from transformers.masking_utils import sdpa_mask
+
+    runtime = _active()
+    if runtime is None:
+        return sdpa_mask(*args, attention_mask=attention_mask, use_vmap=use_vmap, **kwargs)
+    runtime.raise_together(_padding_problem(attention_mask))  # padding sits in some shards only
+    if use_vmap:  # transformers builds custom overlays (image tokens, bidirectional blocks) this way
+        raise CpctlError(
+            "the model asks for a custom attention mask (e.g. bidirectional image tokens) under context parallelism; "
+            "cpctl computes causal, sliding-window and chunked attention only"
+        )
+    return None
+
+
+def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+              is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers' attention hook: the layer's own pattern, computed across the CP group."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    runtime = _active()
+    if runtime is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    if attention_mask is not None:
+        raise CpctlError(
+            f"{type(module).__name__} was handed a ready-made attention mask under context parallelism; cpctl "
+            "computes the masks transformers builds for causal, sliding-window and chunked layers only"
+        )
+    if dropout:
+        raise CpctlError(f"attention dropout {dropout} under context parallelism; set the model's attention dropout to 0.0")
+    for name in ("softcap", "position_bias", "s_aux", "sinks"):
+        if kwargs.get(name) is not None:
+            raise CpctlError(f"{type(module).__name__} passes {name} to attention, which cpctl's CP engine "
+                             "does not compute; run this model with cp_size 1")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    window, chunk = _layer_pattern(module, kwargs.get("sliding_window"))
+    if window is not None and not causal:
+        window += 1  # transformers' bidirectional window counts |q - k| <= window, the causal one q - k < window
+    out = runtime.attention(query, key, value, is_causal=bool(causal), scale=scaling,
+                            enable_gqa=query.shape[1] != key.shape[1], window=window, chunk=chunk)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _layer_pattern(module: nn.Module, sliding_window: int | None) -> tuple[int | None, int | None]:
+    """(window, chunk) of this attention layer, from what it passed and its config's layer_types."""
+    config = getattr(module, "config", None)
+    layer_types = getattr(config, "layer_types", None)
+    layer_idx = getattr(module, "layer_idx", None)
+    kind = layer_types[layer_idx] if layer_types and isinstance(layer_idx, int) and layer_idx < len(layer_types) else None
+    window, chunk = sliding_window, None
+    if kind == "sliding_attention" and window is None:
+        window = getattr(config, "sliding_window", None)
+    elif kind == "chunked_attention":
+        chunk = getattr(config, "attention_chunk_size", None)
+    if kind in ("sliding_attention", "chunked_attention") and window is None and chunk is None:
+        raise CpctlError(f"layer {layer_idx} is {kind} but its config sets no size for it")
+    if kind is None and sliding_window is None and getattr(config, "attention_chunk_size", None):
+        raise CpctlError(f"{type(module).__name__}: the config sets attention_chunk_size but no layer_types say which "
+                         "layers use it; cpctl cannot tell chunked layers from full ones")
+    return window, chunk
+
+
+# ---------------------------------------------------------------------------- the model's forward
+
+
+def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtime):
+    if not runtime.cp_active:
+        return None
+    kwargs = dict(kwargs)
+    names = list(inspect.signature(model.forward).parameters)
+    for name, value in zip(names, args):  # positional arguments, by name
+        kwargs[name] = value
+    tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+    if tokens is None:
+        raise CpctlError("a Hugging Face model under context parallelism needs input_ids or inputs_embeds")
+    batch, local_len = tokens.shape[0], tokens.shape[1]
+    for name in ("input_ids", "inputs_embeds", "position_ids", "labels", "shift_labels", "attention_mask"):
+        runtime.require_sharded(kwargs.get(name), name=name, seq_dim=1)
+    runtime.raise_together(_padding_problem(kwargs.get("attention_mask")))
+    kwargs["attention_mask"] = None  # all ones: nothing to mask
+    if kwargs.get("use_cache"):
+        raise CpctlError("use_cache=True under context parallelism: a KV cache of a shard is no use; pass use_cache=False")
+    kwargs["use_cache"] = False
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        # RoPE must see where each token sits in the whole sequence, not in this shard.
+        full = torch.arange(local_len * runtime.cp_size, device=tokens.device).expand(batch, -1)
+        kwargs["position_ids"] = runtime.shard(full, seq_dim=1)
+    else:
+        runtime.check_one_sequence(position_ids)
+    model._cpctl_owns_loss = kwargs.get("labels") is not None
+    if model._cpctl_owns_loss:
+        kwargs.update(_loss_arguments(model, kwargs, runtime))
+    return (), kwargs
+
+
+def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
+    """What makes the model's own `.loss` the single-process one: labels shifted across shard
+    boundaries, and a divisor that turns FSDP's gradient average into the global token mean."""
+    from transformers.loss.loss_utils import ForCausalLMLoss
+
+    if getattr(model, "loss_function", None) is not ForCausalLMLoss:
+        raise CpctlError(f"{type(model).__name__}(labels=...) under context parallelism: cpctl makes only the causal-LM "
+                         "loss exact; compute the loss from the logits and use rt.token_mean")
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()):
+        raise CpctlError(f"{type(model).__name__}.forward takes no loss keywords; compute the loss with rt.token_mean")
+    if kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
+        raise CpctlError("output_router_logits under context parallelism: the router's auxiliary loss would average "
+                         "per shard; set output_router_logits=False (or add a global aux loss yourself)")
+    if kwargs.get("num_items_in_batch") is not None:
+        raise CpctlError("num_items_in_batch under context parallelism: leave it out, cpctl averages over every "
+                         "token of the dp x cp batch")
+    shifted = kwargs.get("shift_labels")
+    if shifted is None:
+        shifted = runtime.shift_sharded(kwargs["labels"], ignore_index=IGNORE_INDEX)
+    tokens = (shifted != IGNORE_INDEX).sum().float()
+    runtime.reduce_over_dp_cp(tokens)
+    ranks = runtime.axes["dp_cp"].size()
+    return {"shift_labels": shifted, "num_items_in_batch": tokens.clamp(min=1) / ranks}
+
+
+def _after_forward(model: nn.Module, output: Any, runtime: Runtime):
+    if not getattr(model, "_cpctl_owns_loss", False) or getattr(output, "loss", None) is None:
+        return None
+    model._cpctl_owns_loss = False
+    # Each rank holds its share (local sum / (tokens / ranks)); their mean is the global token
+    # mean. Show that value on every rank, keep this rank's share for the gradient.
+    loss = output.loss
+    mean = loss.detach().clone()
+    runtime.reduce_over_dp_cp(mean)
+    output.loss = loss + (mean / runtime.axes["dp_cp"].size() - loss.detach())
+    return output
