@@ -130,7 +130,17 @@ class Runtime:
 
     def _recompute_context(self) -> contextlib.AbstractContextManager:
         """Called in a checkpointed block's forward: route its recompute as the forward was routed."""
-        return RouteSDPA(self.attention) if self._cp_active else contextlib.nullcontext()
+        return self._routing() if self._cp_active else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _routing(self) -> Iterator[None]:
+        """Attention computed across the CP group: SDPA calls, and Hugging Face layers (which ask cp_active)."""
+        was_active, self._cp_active = self._cp_active, True
+        try:
+            with RouteSDPA(self.attention, cp_size=self.cp_size):
+                yield
+        finally:
+            self._cp_active = was_active
 
     def _fsdp_mesh(self) -> DeviceMesh:
         if self.config.parallelism.dp_replicate_size > 1:
@@ -252,12 +262,10 @@ class Runtime:
                 keep = not any(buffer is t for t in no_restore)
                 originals.append(_alias(buffer) if keep else None)
                 buffer.set_(local)
-        self._cp_active = True
         try:
-            with RouteSDPA(self.attention, cp_size=self.cp_size):
+            with self._routing():
                 yield
         finally:
-            self._cp_active = False
             self._seq_lengths = {}
             with torch.no_grad():
                 for buffer, original in zip(buffers, originals):

@@ -16,6 +16,8 @@ pytest.importorskip("transformers")
 
 LAYOUTS = {
     "cp2": (("--nproc-per-node", "2", "--cp-size", "2"), 2, 1),
+    # the profile's activation checkpointing, backward after the context has exited
+    "cp2-checkpointing": (("--nproc-per-node", "2", "--cp-size", "2"), 2, 1),
     # tp: the model's own base_model_tp_plan ("colwise"/"rowwise") is the default plan
     "tp2": (("--nproc-per-node", "2", "--cp-size", "1", "--tp-size", "2"), 1, 2),
 }
@@ -25,8 +27,9 @@ LAYOUTS = {
 def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, layout: str) -> None:
     flags, cp, tp = LAYOUTS[layout]
     out = tmp_path / "hf.json"
+    extra = ["checkpointing"] if layout.endswith("checkpointing") else []
     code, stdout, stderr = finish(cpctl("--device", "cpu", *flags, str(REPO / "tests" / "workers" / "hf_cases.py"),
-                                        str(out), tmp_path=tmp_path))
+                                        str(out), *extra, tmp_path=tmp_path))
     assert code == 0, stdout + stderr
     result = json.loads(out.read_text())
     assert (result["cp"], result["tp"]) == (cp, tp) and result["n_params"] > 0

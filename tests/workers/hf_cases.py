@@ -1,4 +1,5 @@
-"""Worker: a Hugging Face Llama (attn_implementation="sdpa"), unmodified, under cpctl's CP.
+"""Worker: a Hugging Face Llama (attn_implementation="sdpa"), unmodified, under cpctl's CP
+(with argv[2] "checkpointing": a sliding-window Mistral, checkpointed, backward after the context).
 
 Logits and parameter gradients of a CP step must equal a plain single-process step of the
 same model on the full sequence. Rank 0 writes the max abs differences to argv[1] as JSON.
@@ -10,18 +11,23 @@ import sys
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import cpctl
 
 
 def main() -> None:
-    rt = cpctl.init()
+    # "checkpointing": the profile's activation checkpointing, and backward after the context
+    # exits, so the blocks' recompute must route attention across the CP group by itself.
+    checkpointing = sys.argv[2:] == ["checkpointing"]
+    rt = cpctl.init(activation_checkpointing=True) if checkpointing else cpctl.init()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          attn_implementation="sdpa")
-    reference = LlamaForCausalLM(config)
+    if checkpointing:  # a sliding window (24 tokens, shards of 16): the recompute must keep it
+        config = MistralConfig(**{**config.to_dict(), "sliding_window": 24, "model_type": "mistral"})
+    reference = (MistralForCausalLM if checkpointing else LlamaForCausalLM)(config)
     model = rt.prepare_model(copy.deepcopy(reference))
     ids = torch.randint(config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
 
@@ -36,12 +42,17 @@ def main() -> None:
                                    no_restore_buffers={ids, labels, pos}):
         logits = model(input_ids=ids, position_ids=pos).logits
         loss_sum = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-        rt.token_mean(loss_sum, labels).backward()
+        loss = rt.token_mean(loss_sum, labels)
+        if not checkpointing:
+            loss.backward()
         full_logits = rt.unshard(logits.detach(), 1)
+    if checkpointing:
+        loss.backward()
 
     grads = dict(reference.named_parameters())
     grad_error = max(
-        (param.grad.full_tensor() - grads[name].grad).abs().max().item() for name, param in model.named_parameters()
+        (param.grad.full_tensor() - grads[name.replace("._checkpoint_wrapped_module", "")].grad).abs().max().item()
+        for name, param in model.named_parameters()
     )
     refusals = refused_calls(rt, model, config) if rt.cp_size > 1 else {}  # after the step: they raise mid-forward
     if rt.is_main:
