@@ -52,8 +52,12 @@ def is_huggingface_model(model: nn.Module) -> bool:
 # ---------------------------------------------------------------------------- before the first step
 
 
-def prepare(model: nn.Module, runtime: Runtime) -> None:
-    """Check `model`'s config for what CP cannot compute, then route its attention through cpctl."""
+def prepare(model: nn.Module, runtime: Runtime) -> bool:
+    """Check `model`'s config for what CP cannot compute, then route its attention through cpctl.
+
+    Returns whether the model had its own gradient checkpointing on: it is turned off here
+    (its recompute would run outside CP's routing) and the runtime checkpoints the blocks instead.
+    """
     config = model.config
     problems = list(_config_problems(config))
     if problems:
@@ -68,6 +72,10 @@ def prepare(model: nn.Module, runtime: Runtime) -> None:
     model.register_forward_pre_hook(lambda module, args, kwargs: _before_forward(module, args, kwargs, runtime),
                                     with_kwargs=True)
     model.register_forward_hook(lambda module, args, output: _after_forward(module, output, runtime))
+    checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+    if checkpointing:
+        model.gradient_checkpointing_disable()
+    return checkpointing
 
 
 def _config_problems(config) -> Iterator[str]:
@@ -188,6 +196,9 @@ def _layer_pattern(module: nn.Module, sliding_window: int | None) -> tuple[int |
 def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtime):
     if not runtime.cp_active:
         return None
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise CpctlError("gradient_checkpointing_enable() after rt.prepare_model: its recompute would not run across "
+                         "the CP group; enable it before prepare_model, or set activation_checkpointing: true")
     kwargs = dict(kwargs)
     names = list(inspect.signature(model.forward).parameters)
     for name, value in zip(names, args):  # positional arguments, by name

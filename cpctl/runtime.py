@@ -106,14 +106,16 @@ class Runtime:
         `blocks` are the modules to shard one by one (default: the children of the model's
         largest ModuleList, e.g. `model.layers`).
         """
+        checkpointing = self.config.fsdp.activation_checkpointing
         if self.cp_size > 1 and huggingface.is_huggingface_model(model):
-            huggingface.prepare(model, self)
+            # Its own gradient checkpointing would recompute outside CP's routing: ours instead.
+            checkpointing = huggingface.prepare(model, self) or checkpointing
         before = {id(p): p for p in model.parameters()}
         model = model.to(self.device)
         if self.config.parallelism.tp_size > 1:
             apply_tensor_parallel(model, tp_mesh=self.axes["tp"], tp_plan=tp_plan)
         found = list(blocks) if blocks is not None else find_blocks(model)
-        if self.config.fsdp.activation_checkpointing:
+        if checkpointing:
             apply_activation_checkpointing(found, model, recompute_context=self._recompute_context)
             found = find_blocks(model) if blocks is None else found
         if self.config.fsdp.version == 2:

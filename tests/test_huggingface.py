@@ -16,7 +16,7 @@ pytest.importorskip("transformers")
 
 LAYOUTS = {
     "cp2": (("--nproc-per-node", "2", "--cp-size", "2"), 2, 1),
-    # the profile's activation checkpointing, backward after the context has exited
+    # the model's own gradient checkpointing (cpctl's replaces it), backward after the context
     "cp2-checkpointing": (("--nproc-per-node", "2", "--cp-size", "2"), 2, 1),
     # tp: the model's own base_model_tp_plan ("colwise"/"rowwise") is the default plan
     "tp2": (("--nproc-per-node", "2", "--cp-size", "1", "--tp-size", "2"), 1, 2),
@@ -33,6 +33,7 @@ def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, layout
     assert code == 0, stdout + stderr
     result = json.loads(out.read_text())
     assert (result["cp"], result["tp"]) == (cp, tp) and result["n_params"] > 0
+    assert result["checkpointed"] == layout.endswith("checkpointing")
     assert result["logits"] <= 1e-5
     assert result["grads"] <= 1e-5
     if cp > 1:
@@ -44,6 +45,7 @@ def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, layout
 
 
 REFUSALS = {
+    "checkpointing_after_prepare": ["gradient_checkpointing_enable() after rt.prepare_model", "before prepare_model"],
     "padding_mask": ["attention_mask with padding", "without padding"],
     "use_cache": ["use_cache=False"],
     "packed_positions": ["packed documents"],

@@ -17,10 +17,10 @@ import cpctl
 
 
 def main() -> None:
-    # "checkpointing": the profile's activation checkpointing, and backward after the context
-    # exits, so the blocks' recompute must route attention across the CP group by itself.
+    # "checkpointing": the model's own gradient_checkpointing_enable() before prepare_model, and
+    # backward after the context exits, so the blocks' recompute must route attention by itself.
     checkpointing = sys.argv[2:] == ["checkpointing"]
-    rt = cpctl.init(activation_checkpointing=True) if checkpointing else cpctl.init()
+    rt = cpctl.init()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -28,7 +28,10 @@ def main() -> None:
     if checkpointing:  # a sliding window (24 tokens, shards of 16): the recompute must keep it
         config = MistralConfig(**{**config.to_dict(), "sliding_window": 24, "model_type": "mistral"})
     reference = (MistralForCausalLM if checkpointing else LlamaForCausalLM)(config)
-    model = rt.prepare_model(copy.deepcopy(reference))
+    model = copy.deepcopy(reference)
+    if checkpointing:
+        model.gradient_checkpointing_enable()
+    model = rt.prepare_model(model)
     ids = torch.randint(config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(1))
 
     # The plain step: the whole sequence in one process.
@@ -57,7 +60,9 @@ def main() -> None:
     refusals = refused_calls(rt, model, config) if rt.cp_size > 1 else {}  # after the step: they raise mid-forward
     if rt.is_main:
         with open(sys.argv[1], "w") as f:
-            json.dump({"cp": rt.cp_size, "tp": rt.config.parallelism.tp_size, "logits": (full_logits - ref_logits.detach()).abs().max().item(),
+            checkpointed = any("checkpoint" in type(m).__name__.lower() for m in model.modules())
+            json.dump({"checkpointed": checkpointed, "cp": rt.cp_size, "tp": rt.config.parallelism.tp_size,
+                       "logits": (full_logits - ref_logits.detach()).abs().max().item(),
                        "grads": grad_error, "n_params": len(grads), "refusals": refusals}, f)
 
 
@@ -82,7 +87,15 @@ def refused_calls(rt, model, config) -> dict:
     padded[0, :5] = 0
     packed = torch.cat([torch.arange(40), torch.arange(24)]).repeat(2, 1)
     full_labels = torch.zeros(2, 64, dtype=torch.long)
+    def checkpointing_enabled_late():
+        model.gradient_checkpointing_enable()
+        try:
+            step()
+        finally:
+            model.gradient_checkpointing_disable()
+
     return {
+        "checkpointing_after_prepare": error_of(checkpointing_enabled_late),
         "padding_mask": error_of(lambda: step(attention_mask=padded)),
         "use_cache": error_of(lambda: step(use_cache=True)),
         "packed_positions": error_of(lambda: step(position_ids=packed)),
