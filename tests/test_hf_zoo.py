@@ -1,0 +1,185 @@
+"""A zoo of tiny Hugging Face causal LMs trains under CP as in one process (tests/workers/hf_zoo.py).
+
+One `cpctl launch` per CP strategy runs every architecture (two cases each: the README loop, and
+`model(input_ids=ids, labels=ids).loss` as accelerate users call it); each (strategy, architecture,
+case) is then its own test: two SGD steps' losses and the first step's full gradients within 1e-5
+of a one-process run, or, for an entry of REFUSED, an error naming the expected substring.
+
+A rank failing alone can leave the other inside a collective and kill the launch: the
+architecture it died in is recorded as that crash (with the errors the ranks printed), and the
+architectures not yet run are launched again.
+
+A last test makes deliberate mistakes (local position ids, labels shifted per shard) and checks
+that they are refused or caught: the comparison can fail.
+
+`python tests/test_hf_zoo.py [allgather|alltoall] [ARCH ...]` prints the table without pytest.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launching import REPO, cpctl
+
+pytest.importorskip("transformers")
+
+WORKER = REPO / "tests" / "workers" / "hf_zoo.py"
+STRATEGIES = ("allgather", "alltoall")
+CASES = ("cp", "hf_loss")
+TOLERANCE = 1e-5  # fp32
+SEQ, CP = 64, 2  # the worker's sequence length; the launches' cp size
+LAUNCH_TIMEOUT = 900  # seconds for one launch over the whole zoo (about a minute when all goes well)
+
+# Architecture ("llama") or architecture/case ("llama/hf_loss") -> a substring of the error cpctl
+# is expected to raise instead of training it. The more specific key wins.
+REFUSED: dict[str, str] = {}
+
+
+def _worker_archs() -> list[str]:
+    """The keys of the worker's ARCHS dict, read without importing it (no torch at collection)."""
+    for node in ast.parse(WORKER.read_text()).body:
+        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "ARCHS":
+            return [key.value for key in node.value.keys]
+    raise AssertionError(f"no ARCHS dict in {WORKER}")
+
+
+ARCHS = _worker_archs()
+_ERROR_LINE = re.compile(r"zoo-error rank(\d+) ([\w.-]+)/(\w+): (.*)")
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
+    """launching.finish with a longer limit; returns (exit code, stdout + stderr)."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()  # cpctl stops its workers
+        try:
+            out, err = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(f"cpctl launch did not finish in {timeout}s:\n{out}\n{err}")
+    return proc.returncode, out + err
+
+
+def run_zoo(tmp_path: Path, strategy: str, *worker_args: str, archs: list[str] | None = None,
+            cases: tuple[str, ...] = CASES) -> dict:
+    """{arch: {case: record}} for every architecture asked for (all by default), relaunching past crashes."""
+    results: dict = {}
+    pending = list(archs or [])  # empty: the worker's own full list
+    for attempt in range(len(ARCHS) + 1):
+        out = tmp_path / f"zoo-{strategy}-{attempt}.json"
+        proc = cpctl("--device", "cpu", "--nproc-per-node", str(CP), "--cp-size", str(CP),
+                     "--cp-comm-strategy", strategy, str(WORKER), str(out), *worker_args, *pending, tmp_path=tmp_path)
+        code, output = _wait(proc, LAUNCH_TIMEOUT)
+        part = json.loads(out.read_text()) if out.exists() else {}
+        assert part, f"the zoo worker died before its first architecture (exit {code}):\n{output[-6000:]}"
+        results |= {name: record for name, record in part.items() if record}
+        left = [name for name, record in part.items() if not record]
+        if not left:
+            assert code == 0, f"the zoo worker finished every architecture but exited {code}:\n{output[-6000:]}"
+            return results
+        crashed, pending = left[0], left[1:]
+        printed: dict[str, list[str]] = {case: [] for case in cases}
+        for match in _ERROR_LINE.finditer(output):
+            rank, name, case, error = match.groups()
+            if name == crashed and case in printed:
+                printed[case].append(f"rank {rank}: {error.strip()}")
+        tail = next((line.strip() for line in reversed(output.splitlines()) if line.strip()), "")
+        died_in = next((case for case in cases if printed[case]), None)  # the first case a rank failed in
+        results[crashed] = {}
+        for case in cases:
+            if died_in is not None and cases.index(case) > cases.index(died_in):
+                error = f"not run: the launch died (exit {code}) in case {died_in}"
+            else:
+                error = (f"launch died (exit {code}) in this case; "
+                         + ("; ".join(printed[case]) or f"last output: {tail}"))
+            results[crashed][case] = {"error": error}
+        if not pending:
+            return results
+    raise AssertionError("the zoo kept crashing")
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory: pytest.TempPathFactory):
+    """One launch per strategy, on first use, shared by that strategy's tests (a failure too)."""
+    cache: dict[str, dict | BaseException] = {}
+
+    def get(strategy: str) -> dict:
+        if strategy not in cache:
+            try:
+                cache[strategy] = run_zoo(tmp_path_factory.mktemp(f"zoo-{strategy}"), strategy)
+            except (Exception, pytest.fail.Exception) as error:
+                cache[strategy] = error
+        if isinstance(cache[strategy], BaseException):
+            raise cache[strategy]
+        return cache[strategy]
+
+    return get
+
+
+def check(record: dict, arch: str, case: str) -> None:
+    refused = REFUSED.get(f"{arch}/{case}", REFUSED.get(arch))
+    if refused is not None:
+        assert record.get("error") and refused in record["error"], (
+            f"{arch}/{case}: expected an error containing {refused!r}, got {record}")
+        return
+    assert record.get("error") is None, f"{arch}/{case}: {record['error']}"
+    assert len(record["losses_ref"]) == len(record["losses_cp"]) == 2, record
+    assert record["local_len"] == SEQ // CP, f"{arch}/{case}: the CP model saw {record['local_len']} tokens"
+    assert record["loss_diff"] <= TOLERANCE, f"{arch}/{case}: loss differs by {record['loss_diff']:.3g}: {record}"
+    assert record["grad_diff"] <= TOLERANCE, f"{arch}/{case}: gradients differ by {record['grad_diff']:.3g}: {record}"
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_hf_architecture_trains_under_cp_as_in_one_process(zoo, strategy: str, arch: str, case: str) -> None:
+    results = zoo(strategy)
+    assert set(results) == set(ARCHS), f"architectures missing: {set(ARCHS) - set(results)}"
+    check(results[arch][case], arch, case)
+
+
+def test_the_comparison_catches_mistakes(tmp_path: Path) -> None:
+    """Mistakes in the README loop must show: refused, or gradients far from the one-process ones."""
+    results = run_zoo(tmp_path, "allgather", "--wrong-positions", "--wrong-labels", archs=["llama"],
+                      cases=("wrong_positions", "wrong_labels"))["llama"]
+    # Local positions arange(local_len): cpctl may refuse them; it must never train them silently.
+    positions = results["wrong_positions"]
+    if positions.get("error") is None:
+        assert positions["grad_diff"] > 1e-4, positions
+    else:
+        assert "position" in positions["error"], positions
+    # Labels shifted per shard: nothing to refuse (they are just token ids), so the numbers must differ.
+    labels = results["wrong_labels"]
+    assert labels.get("error") is None, labels
+    assert labels["local_len"] == SEQ // CP, labels
+    assert labels["grad_diff"] > 1e-4 and labels["loss_diff"] > 1e-4, labels
+
+
+def _table(results: dict) -> str:
+    rows = []
+    for arch, cases in results.items():
+        for case, r in cases.items():
+            try:
+                check(r, arch, case)
+                verdict = "ok"
+            except AssertionError:
+                verdict = "FAIL"
+            what = r.get("error") or f"loss {r['loss_diff']:.2e} grad {r['grad_diff']:.2e}"
+            rows.append(f"{arch:12} {case:8} {verdict:5} {what}")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    import tempfile
+
+    strategy = sys.argv[1] if len(sys.argv) > 1 else "allgather"
+    with tempfile.TemporaryDirectory() as tmp:
+        print(_table(run_zoo(Path(tmp), strategy, archs=sys.argv[2:] or None)))
