@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["CpctlError", "init", "position_ids_like", "shift_labels", "__version__"]
+__all__ = ["CpctlError", "init", "position_ids_for_documents", "position_ids_from_document_ids", "position_ids_like",
+           "shift_labels", "__version__"]
 
 from cpctl.errors import CpctlError
 
@@ -24,10 +25,22 @@ def init(**overrides: Any) -> "Runtime":
     return _init(**overrides)
 
 
-def shift_labels(input_ids: Any, ignore_index: int = -100) -> Any:
+def shift_labels(input_ids: Any, ignore_index: int = -100, position_ids: Any = None) -> Any:
     from cpctl.data import shift_labels as _shift_labels
 
-    return _shift_labels(input_ids, ignore_index=ignore_index)
+    return _shift_labels(input_ids, ignore_index=ignore_index, position_ids=position_ids)
+
+
+def position_ids_for_documents(lengths: Any, device: Any = None) -> Any:
+    from cpctl.data import position_ids_for_documents as _position_ids_for_documents
+
+    return _position_ids_for_documents(lengths, device=device)
+
+
+def position_ids_from_document_ids(document_ids: Any) -> Any:
+    from cpctl.data import position_ids_from_document_ids as _position_ids_from_document_ids
+
+    return _position_ids_from_document_ids(document_ids)
 
 
 def position_ids_like(input_ids: Any) -> Any:

@@ -72,10 +72,16 @@ def prepare(model: nn.Module, runtime: Runtime) -> bool:
     model.register_forward_pre_hook(lambda module, args, kwargs: _before_forward(module, args, kwargs, runtime),
                                     with_kwargs=True)
     model.register_forward_hook(lambda module, args, output: _after_forward(module, output, runtime))
-    checkpointing = bool(getattr(model, "is_gradient_checkpointing", False))
+    checkpointing = _checkpointing_on(model)
     if checkpointing:
         model.gradient_checkpointing_disable()
     return checkpointing
+
+
+def _checkpointing_on(model: nn.Module) -> bool:
+    # transformers renamed the property (is_gradient_checkpointing warns from 5.2x on)
+    name = "is_activation_checkpointing" if hasattr(type(model), "is_activation_checkpointing") else "is_gradient_checkpointing"
+    return bool(getattr(model, name, False))
 
 
 def _config_problems(config) -> Iterator[str]:
@@ -166,8 +172,8 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     window, chunk = _layer_pattern(module, kwargs.get("sliding_window"))
     if window is not None and not causal:
         window += 1  # transformers' bidirectional window counts |q - k| <= window, the causal one q - k < window
-    out = runtime.attention(query, key, value, is_causal=bool(causal), scale=scaling,
-                            enable_gqa=query.shape[1] != key.shape[1], window=window, chunk=chunk)
+    out = runtime.step_attention(query, key, value, is_causal=bool(causal), scale=scaling,
+                                 enable_gqa=query.shape[1] != key.shape[1], window=window, chunk=chunk)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -196,7 +202,7 @@ def _layer_pattern(module: nn.Module, sliding_window: int | None) -> tuple[int |
 def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtime):
     if not runtime.cp_active:
         return None
-    if getattr(model, "is_gradient_checkpointing", False):
+    if _checkpointing_on(model):
         raise CpctlError("gradient_checkpointing_enable() after rt.prepare_model: its recompute would not run across "
                          "the CP group; enable it before prepare_model, or set activation_checkpointing: true")
     kwargs = dict(kwargs)
@@ -220,7 +226,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtim
         full = torch.arange(local_len * runtime.cp_size, device=tokens.device).expand(batch, -1)
         kwargs["position_ids"] = runtime.shard(full, seq_dim=1)
     else:
-        runtime.check_one_sequence(position_ids)
+        runtime.adopt_position_ids(position_ids)
     model._cpctl_owns_loss = kwargs.get("labels") is not None
     if model._cpctl_owns_loss:
         kwargs.update(_loss_arguments(model, kwargs, runtime))

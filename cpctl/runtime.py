@@ -19,6 +19,7 @@ import contextlib
 import datetime
 import gc
 import json
+import logging
 import os
 import sys
 import weakref
@@ -32,6 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from cpctl import documents as packing
 from cpctl import huggingface
 from cpctl import profile as profiles
 from cpctl.attention import ChunkLayout, context_parallel_attention
@@ -52,6 +54,11 @@ class Runtime:
     axes: dict[str, DeviceMesh]  # every axis by name, flattened ones included
     _cp_active: bool = False  # inside maybe_context_parallel
     _seq_lengths: dict[int, int] = field(default_factory=dict)  # this step's sharded lengths: full -> local
+    # Set by each maybe_context_parallel, kept after it (rt.unshard of its results needs them):
+    _step_layout: ChunkLayout | None = None  # a cost-balanced layout for packed documents
+    _documents: list[packing.Starts] | None = None  # document starts per row, when packed
+    cp_balance: float | None = None  # slowest CP rank's attention work / mean, this step (packed documents)
+    _balance_logged: bool = False
 
     # ------------------------------------------------------------------ coordinates
 
@@ -94,6 +101,9 @@ class Runtime:
 
     @property
     def layout(self) -> ChunkLayout:
+        """This step's layout: head-tail (or plain) chunks, or a cost-balanced one for packed documents."""
+        if self._step_layout is not None:
+            return self._step_layout
         return ChunkLayout(cp_size=self.cp_size, cp_rank=self.cp_rank,
                            load_balance=self.config.parallelism.cp_load_balance)
 
@@ -132,17 +142,18 @@ class Runtime:
 
     def _recompute_context(self) -> contextlib.AbstractContextManager:
         """Called in a checkpointed block's forward: route its recompute as the forward was routed."""
-        return self._routing() if self._cp_active else contextlib.nullcontext()
+        return self._routing(self._documents) if self._cp_active else contextlib.nullcontext()
 
     @contextlib.contextmanager
-    def _routing(self) -> Iterator[None]:
+    def _routing(self, documents: list[packing.Starts] | None) -> Iterator[None]:
         """Attention computed across the CP group: SDPA calls, and Hugging Face layers (which ask cp_active)."""
-        was_active, self._cp_active = self._cp_active, True
+        was = self._cp_active, self._documents
+        self._cp_active, self._documents = True, documents
         try:
-            with RouteSDPA(self.attention, cp_size=self.cp_size):
+            with RouteSDPA(self.step_attention, cp_size=self.cp_size):
                 yield
         finally:
-            self._cp_active = was_active
+            self._cp_active, self._documents = was
 
     def _fsdp_mesh(self) -> DeviceMesh:
         if self.config.parallelism.dp_replicate_size > 1:
@@ -180,18 +191,23 @@ class Runtime:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                   scale: float | None = None, enable_gqa: bool = False, window: int | None = None,
-                  chunk: int | None = None) -> torch.Tensor:
+                  chunk: int | None = None, documents: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """CP attention on already-sharded (batch, heads, local_seq, head_dim) tensors.
 
         `window`: each query sees the `window` keys ending at itself (and as many after it when
-        not causal); `chunk`: only keys of its own `chunk`-token chunk (Llama 4).
+        not causal); `chunk`: only keys of its own `chunk`-token chunk (Llama 4); `documents`:
+        per batch row, the start of every packed document; queries see only their own.
         """
-        if self.cp_size == 1 and window is None and chunk is None:
+        if self.cp_size == 1 and window is None and chunk is None and documents is None:
             return torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
         return context_parallel_attention(
             q, k, v, group=self.cp_group, layout=self.layout, strategy=self.config.parallelism.cp_comm_strategy,
-            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window, chunk=chunk)
+            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window, chunk=chunk, documents=documents)
+
+    def step_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
+        """`attention` with this step's packed documents: what routed calls inside the context get."""
+        return self.attention(q, k, v, documents=self._documents, **options)
 
     def require_sharded(self, tensor: torch.Tensor | None, *, name: str, seq_dim: int) -> None:
         """Inside maybe_context_parallel: `tensor` must have this step's local length along `seq_dim`."""
@@ -208,14 +224,18 @@ class Runtime:
         raise CpctlError(f"{name} has sequence length {length}, but this step's sharded buffers have "
                          f"{sorted(self._seq_lengths.values())} tokens per rank")
 
-    def check_one_sequence(self, position_ids: torch.Tensor) -> None:
-        """Position ids that restart (packed documents) cannot be ignored: refuse them."""
-        full = self.unshard(position_ids, seq_dim=-1)
-        if full.shape[-1] > 1 and bool((full.diff(dim=-1) != 1).any()):
-            raise CpctlError(
-                "position_ids restart inside a sequence (packed documents) under context parallelism; cpctl does "
-                "not compute document masks yet: pass one document per row, or consecutive position ids"
-            )
+    def adopt_position_ids(self, position_ids: torch.Tensor) -> None:
+        """Sharded position ids that a model is called with: where they restart, documents are packed.
+
+        With `maybe_context_parallel(documents=...)` they must agree with it; without, their
+        documents are computed exactly on this step's (head-tail) layout.
+        """
+        rows = packing.documents_or_none(packing.starts_per_row(self.unshard(position_ids, seq_dim=-1)))
+        if self._documents is None:
+            self._documents = rows
+        elif (rows or []) * (len(self._documents) if rows and len(rows) == 1 else 1) != self._documents:
+            raise CpctlError("the model's position_ids and maybe_context_parallel(documents=...) place documents "
+                             "differently; pass the same position ids to both")
 
     def shift_sharded(self, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
         """Next-token labels of a sharded (batch, local_seq) tensor, as `cpctl.shift_labels` gives
@@ -245,16 +265,26 @@ class Runtime:
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, *, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
-                               no_restore_buffers: Iterable[torch.Tensor] = ()) -> Iterator[None]:
+                               no_restore_buffers: Iterable[torch.Tensor] = (),
+                               documents: torch.Tensor | None = None) -> Iterator[None]:
         """Shard `buffers` in place along their sequence dims and compute every SDPA call
         across the CP group; on exit restore the buffers not in `no_restore_buffers`.
-        Enter it anew every step. With cp_size 1 it does nothing."""
+        Enter it anew every step. With cp_size 1 it does nothing.
+
+        `documents`: full-length position ids (batch, seq) that restart at each packed
+        document (as transformers' DataCollatorWithFlattening makes them): attention stays
+        inside documents, and the chunks are assigned to ranks by cost.
+        """
         buffers, no_restore = list(buffers), list(no_restore_buffers)
         _check_buffers(buffers, list(buffer_seq_dims), no_restore)
+        if documents is not None and not isinstance(documents, torch.Tensor):
+            raise CpctlError("maybe_context_parallel: documents must be a tensor of position ids, "
+                             "e.g. cpctl.position_ids_for_documents(lengths)")
         if self.cp_size == 1:
             yield
             return
-        self._check_same_inputs(buffers)
+        self._check_same_inputs(buffers if documents is None else [*buffers, documents])
+        self._place(documents, seq_len=buffers[0].shape[buffer_seq_dims[0]] if buffers else 0)
         originals = []
         with torch.no_grad():
             # Every shard first (each checks its length), so a bad buffer leaves none half-done.
@@ -265,7 +295,7 @@ class Runtime:
                 originals.append(_alias(buffer) if keep else None)
                 buffer.set_(local)
         try:
-            with self._routing():
+            with self._routing(self._documents):
                 yield
         finally:
             self._seq_lengths = {}
@@ -273,6 +303,28 @@ class Runtime:
                 for buffer, original in zip(buffers, originals):
                     if original is not None:
                         buffer.set_(original)
+
+    def _place(self, documents: torch.Tensor | None, *, seq_len: int) -> None:
+        """This step's layout and documents: head-tail, or by cost when documents are packed."""
+        self._step_layout, self._documents, self.cp_balance = None, None, None
+        if documents is None:
+            return
+        if documents.shape[-1] != seq_len:
+            raise CpctlError(f"maybe_context_parallel: documents has {documents.shape[-1]} positions but the "
+                             f"first buffer {seq_len} tokens; pass the full-length position ids")
+        self._documents = packing.documents_or_none(packing.starts_per_row(documents))
+        if self._documents is None or not self.config.parallelism.cp_load_balance:
+            return
+        self.layout.check_length(seq_len)
+        placed = packing.place(self._documents, seq_len=seq_len, cp_size=self.cp_size, cp_rank=self.cp_rank)
+        self._step_layout, self.cp_balance = placed.layout, placed.balance
+        if self.is_main:
+            # once at INFO (the run's log says how its documents are spread), then per step at DEBUG
+            level = logging.DEBUG if self._balance_logged else logging.INFO
+            self._balance_logged = True
+            _log.log(level, "packed documents: %d chunks per rank assigned by cost; attention work max/mean %.3f "
+                     "(head-tail chunks: %.3f)", len(placed.layout.local_chunks), placed.balance,
+                     placed.head_tail_balance)
 
     def _check_same_inputs(self, buffers: list[torch.Tensor]) -> None:
         """Every rank of a CP group must hold the same full buffers: compare cheap fingerprints."""
@@ -419,6 +471,7 @@ def _check_buffers(buffers: list, seq_dims: list, no_restore: list) -> None:
 
 # ---------------------------------------------------------------------- init
 
+_log = logging.getLogger("cpctl")
 _RUNTIME: Runtime | None = None
 _INIT_OVERRIDES: dict[str, Any] = {}
 

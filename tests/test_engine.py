@@ -4,7 +4,9 @@ tests/workers/engine_cases.py runs every case under `torch.distributed.run` with
 once per world size (2 and 4 processes, a few seconds each), and writes the max abs error of
 the output and of dq/dk/dv per case; each case is then its own test here. fp32 bar: 1e-5.
 Besides plain causal and full attention: sliding windows and chunked attention that cut
-through shards (against SDPA with the explicit mask), value heads of another size (MLA), fp64.
+through shards, packed documents (one-token ones, ones spanning ranks, many short ones, rows
+packed differently; on the cost-balanced layout), all against SDPA with the explicit mask;
+value heads of another size (MLA), fp64.
 """
 
 from __future__ import annotations
@@ -33,13 +35,15 @@ CASES = [
 EXTRAS = [dict(window=w) for w in (1, 7, 16, 24, 40, 1000)] + [dict(chunk=c) for c in (5, 16, 24, 40)]
 EXTRAS += [dict(window=10, chunk=24), dict(v_dim=8), dict(v_dim=24), dict(dtype="float64"),
            dict(dtype="float64", window=24)]
+EXTRAS += [dict(documents=d) for d in ("one_token", "spanning", "many_short", "whole", "mixed_rows")]
+EXTRAS += [dict(documents="spanning", window=6)]
 CASES += [
     {"strategy": strategy, "causal": causal, "load_balance": load_balance, "q_heads": 4, "kv_heads": 2, "batch": 2,
      **extra}
     for strategy, causal, load_balance, extra in itertools.product(("allgather", "alltoall"), (True, False),
                                                                    (True, False), EXTRAS)
 ]
-OPTIONS = ("window", "chunk", "v_dim", "dtype")
+OPTIONS = ("window", "chunk", "v_dim", "dtype", "documents")
 
 
 def case_id(case: dict) -> str:

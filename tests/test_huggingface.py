@@ -48,7 +48,6 @@ REFUSALS = {
     "checkpointing_after_prepare": ["gradient_checkpointing_enable() after rt.prepare_model", "before prepare_model"],
     "padding_mask": ["attention_mask with padding", "without padding"],
     "use_cache": ["use_cache=False"],
-    "packed_positions": ["packed documents"],
     "labels_not_in_buffers": ["labels has the full sequence length 64", "add it to buffers"],
     "attention_dropout": ["attention_dropout=0.1", "set it to 0.0"],
 }

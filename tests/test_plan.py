@@ -26,11 +26,12 @@ CP_SIZES = range(1, 9)
 
 
 def spec(cp_size: int, rank: int, *, load_balance: bool, causal: bool, window: int | None = None,
-         chunk: int | None = None, chunk_len: int = 4) -> AttentionSpec:
+         chunk: int | None = None, documents: tuple[int, ...] | None = None, chunk_len: int = 4,
+         assignment: tuple[tuple[int, ...], ...] | None = None) -> AttentionSpec:
     # Planning reads only the layout and the mask; the group is not touched.
-    layout = ChunkLayout(cp_size=cp_size, cp_rank=rank, load_balance=load_balance)
-    return AttentionSpec(group=None, layout=layout, mask=Mask(causal=causal, window=window, chunk=chunk), scale=1.0,
-                         strategy="allgather", chunk_len=chunk_len)
+    layout = ChunkLayout(cp_size=cp_size, cp_rank=rank, load_balance=load_balance, assignment=assignment)
+    mask = Mask(causal=causal, window=window, chunk=chunk, documents=documents)
+    return AttentionSpec(group=None, layout=layout, mask=mask, scale=1.0, strategy="allgather", chunk_len=chunk_len)
 
 
 def covered(blocks: list[Block], q_chunks, kv_chunks) -> Counter:
@@ -178,6 +179,23 @@ def test_position_ids_like() -> None:
     assert pos.tolist() == [[9, 1, 2, 3, 4], [0, 1, 2, 3, 4]]
 
 
+def test_documents_aware_token_helpers() -> None:
+    pos = cpctl.position_ids_for_documents([[3, 1, 2], [2, 4]])
+    assert pos.tolist() == [[0, 1, 2, 0, 0, 1], [0, 1, 0, 1, 2, 3]]
+    assert cpctl.position_ids_for_documents([2, 2]).tolist() == [[0, 1, 0, 1]]  # one row
+    document_ids = torch.tensor([[7, 7, 7, 3, 9, 9], [1, 1, 5, 5, 5, 5]])
+    assert torch.equal(cpctl.position_ids_from_document_ids(document_ids), pos)
+    ids = torch.arange(10, 22).view(2, 6)
+    # no document's last token predicts the next document's first
+    assert cpctl.shift_labels(ids, position_ids=pos).tolist() == [[11, 12, -100, -100, 15, -100],
+                                                                  [17, -100, 19, 20, 21, -100]]
+    assert cpctl.shift_labels(ids, position_ids=cpctl.position_ids_like(ids)).tolist() == cpctl.shift_labels(ids).tolist()
+    with pytest.raises(ValueError, match="add up to one length"):
+        cpctl.position_ids_for_documents([[3, 1], [2]])
+    with pytest.raises(ValueError, match="positive"):
+        cpctl.position_ids_for_documents([[3, 0]])
+
+
 # --------------------------------------------------------------------------------- masks
 
 
@@ -266,7 +284,8 @@ def token_pairs(blocks: list[Block], q_chunks, kv_chunks, s: AttentionSpec) -> t
     return count
 
 
-def reference_mask(n: int, *, causal: bool, window: int | None, chunk: int | None) -> torch.Tensor:
+def reference_mask(n: int, *, causal: bool, window: int | None, chunk: int | None,
+                   documents: tuple[int, ...] | None = None) -> torch.Tensor:
     """Written out independently of masks.Mask, as Hugging Face's mask functions define it."""
     q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
     allowed = (k <= q) if causal else torch.ones(n, n, dtype=torch.bool)
@@ -274,14 +293,22 @@ def reference_mask(n: int, *, causal: bool, window: int | None, chunk: int | Non
         allowed &= (k > q - window) if causal else ((q - k).abs() < window)
     if chunk is not None:
         allowed &= k // chunk == q // chunk
+    if documents is not None:
+        doc = torch.zeros(n, dtype=torch.long)
+        for start in documents[1:]:
+            doc[start:] += 1
+        allowed &= doc[:, None] == doc[None, :]
     return allowed
 
 
 MASKS = [dict(window=w, chunk=None) for w in (1, 3, 4, 5, 9, 17, 100)] + [dict(window=None, chunk=ch) for ch in (1, 3, 4, 6, 8, 13)]
 MASKS.append(dict(window=6, chunk=10))
+# packed documents: one-token documents, documents across chunk and rank boundaries, one long one
+DOCUMENTS = [(0, 1, 2, 7, 13, 14, 30), (0, 5), tuple(range(0, 64, 3)), (0, 4, 8, 12, 16, 20, 24, 28)]
+MASKS += [dict(window=None, chunk=None, documents=d) for d in DOCUMENTS] + [dict(window=5, chunk=None, documents=DOCUMENTS[0])]
 
 
-@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"window{m['window']}-chunk{m['chunk']}")
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"window{m['window']}-chunk{m['chunk']}-docs{len(m.get('documents') or ())}")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("load_balance", [True, False], ids=["balanced", "plain"])
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
@@ -326,7 +353,7 @@ def test_masks_refuse_nonsense_sizes() -> None:
 
 
 @pytest.mark.parametrize("explicit_tile", [1, 2, 5, 8])
-@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"window{m['window']}-chunk{m['chunk']}")
+@pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"window{m['window']}-chunk{m['chunk']}-docs{len(m.get('documents') or ())}")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_tiles_of_a_cut_block_cover_its_visible_pairs_once(causal, mask, explicit_tile) -> None:
     n, length = 96, 32
@@ -347,3 +374,62 @@ def test_tiles_of_a_cut_block_cover_its_visible_pairs_once(causal, mask, explici
                 count[rows, cols] += reference[q_start + tile.q0:q_start + tile.q1, k_start + tile.k0:k_start + tile.k1].long()
         expected = reference[q_start:q_start + length, k_start:k_start + length].long()
         assert torch.equal(count, expected), (q_start, k_start)
+
+
+
+@pytest.mark.parametrize("documents", DOCUMENTS)
+@pytest.mark.parametrize("cp_size", [2, 3, 4])
+def test_cost_balanced_layouts_cover_every_visible_pair_once(cp_size: int, documents) -> None:
+    from cpctl.attention.sharding import cost_balanced
+
+    chunks_per_rank, chunk_len = 4, 4
+    n = cp_size * chunks_per_rank * chunk_len
+    mask = Mask(documents=documents)
+    costs = [mask.row_cost(c * chunk_len, (c + 1) * chunk_len, seq_len=n) for c in range(n // chunk_len)]
+    layout, _ = cost_balanced(costs, cp_size=cp_size, cp_rank=0)
+    assert sorted(c for rank in range(cp_size) for c in layout.chunks_of(rank)) == list(range(n // chunk_len))
+    assert all(len(layout.chunks_of(rank)) == chunks_per_rank for rank in range(cp_size))
+    ring_count = gather_count = 0
+    for rank in range(cp_size):
+        s = spec(cp_size, rank, load_balance=True, causal=True, documents=documents, chunk_len=chunk_len,
+                 assignment=layout.assignment)
+        local = s.layout.local_chunks
+        ring_count = ring_count + sum(token_pairs(ring._plan(s, source), local, s.layout.chunks_of(source), s)
+                                      for source in range(cp_size))
+        gather_count = gather_count + token_pairs(allgather._local_plan(s), local, local, s) + token_pairs(
+            allgather._remote_plan(s), local, range(s.layout.num_chunks), s)
+    expected = reference_mask(n, causal=True, window=None, chunk=None, documents=documents).long()
+    assert torch.equal(ring_count, expected) and torch.equal(gather_count, expected)
+
+
+def test_row_cost_counts_visible_pairs() -> None:
+    for mask in (Mask(), Mask(window=5), Mask(chunk=6), Mask(documents=DOCUMENTS[0]), Mask(causal=False, window=3),
+                 Mask(causal=False, documents=(0, 5, 9))):
+        n = 40
+        dense = mask.dense(torch.arange(n), torch.arange(n), seq_len=n)
+        for start, stop in ((0, n), (3, 17), (20, 21)):
+            assert mask.row_cost(start, stop, seq_len=n) == int(dense[start:stop].sum())
+
+
+def test_cost_balancing_evens_out_long_tailed_documents() -> None:
+    from cpctl.attention.sharding import balance, cost_balanced
+
+    torch.manual_seed(0)
+    n, cp_size, chunk_len = 65536, 4, 1024
+    for _ in range(5):
+        # long-tailed document lengths (log-normal), packed into one sequence
+        lengths = torch.distributions.LogNormal(7.5, 1.2).sample((200,)).clamp(min=1).long()
+        starts = [0]
+        for length in lengths.tolist():
+            if starts[-1] + length >= n:
+                break
+            starts.append(starts[-1] + length)
+        mask = Mask(documents=tuple(starts))
+        costs = [mask.row_cost(c * chunk_len, (c + 1) * chunk_len, seq_len=n) for c in range(n // chunk_len)]
+        head_tail = ChunkLayout(cp_size=cp_size, cp_rank=0, load_balance=True)
+        big = n // head_tail.num_chunks
+        fixed = balance([sum(mask.row_cost(c * big, (c + 1) * big, seq_len=n) for c in head_tail.chunks_of(r))
+                         for r in range(cp_size)])
+        _, balanced = cost_balanced(costs, cp_size=cp_size, cp_rank=0)
+        assert balanced <= 1.02, balanced
+        assert balanced <= fixed

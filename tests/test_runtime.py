@@ -95,6 +95,8 @@ BAD_INPUTS = {
     "duplicate_buffer": ["appears twice", "pass each buffer once"],
     "fsdp_version_1": ["fsdp.version: 1", "set fsdp.version: 2"],
     "mha_need_weights": ["need_weights=True", "need_weights=False"],
+    "documents_wrong_length": ["documents has 6 positions", "first buffer 8 tokens", "full-length position ids"],
+    "documents_not_tensor": ["documents must be a tensor", "position_ids_for_documents"],
 }
 
 

@@ -17,9 +17,9 @@ from cpctl.attention.spec import AttentionSpec
 class ForwardAccumulator:
     """Partial attention results of one rank's queries, merged exactly with their LSE.
 
-    Merging in fp32: new_lse = logaddexp(lse, lse_b); out = out * e^(lse - new) + out_b * e^(lse_b - new).
-    `logaddexp` is stable where the naive log(1 + exp(.)) overflows. A row's first block
-    is copied, not merged.
+    Merging in fp32: new_lse = logaddexp(lse, lse_b); out = out * e^(lse - new) + out_b * e^(lse_b - new)
+    (`merge`). `logaddexp` is stable where the naive log(1 + exp(.)) overflows. A row's first
+    block is copied, not merged.
     """
 
     def __init__(self, q: torch.Tensor, *, chunk_len: int, num_chunks: int):
@@ -39,11 +39,7 @@ class ForwardAccumulator:
         elif any(fresh):  # plans never mix fresh and written rows in one block
             raise AssertionError(f"block {block} covers both merged and unwritten rows")
         else:
-            out, lse = self.out[:, :, rows], self.lse[:, :, rows]
-            new_lse = torch.logaddexp(lse, lse_b)
-            out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))
-            out.add_(out_b * torch.exp(lse_b - new_lse).unsqueeze(-1))
-            lse.copy_(new_lse)
+            merge(self.out[:, :, rows], self.lse[:, :, rows], out_b, lse_b)
         for c in chunks:
             self.written[c] = True
 
@@ -85,14 +81,22 @@ def _partial_forward(blk: Block, q, k, v, *, spec: AttentionSpec) -> tuple[torch
             out_t, lse_t = explicit_forward(qt, kt, vt, allowed=allowed, scale=spec.scale)
         else:
             out_t, lse_t = block_forward(qt, kt, vt, causal=tile.kind is Visibility.DIAGONAL, scale=spec.scale)
-        rows_out, rows_lse = out[:, :, tile.q0:tile.q1], lse[:, :, tile.q0:tile.q1]
-        new_lse = torch.logaddexp(rows_lse, lse_t.to(dtype))
-        # exp(-inf - -inf) would be nan: rows still empty in both stay empty.
-        keep = torch.exp(rows_lse - new_lse).nan_to_num_(0.0)
-        take = torch.exp(lse_t.to(dtype) - new_lse).nan_to_num_(0.0)
-        rows_out.mul_(keep.unsqueeze(-1)).add_(out_t.to(dtype) * take.unsqueeze(-1))
-        rows_lse.copy_(new_lse)
+        merge(out[:, :, tile.q0:tile.q1], lse[:, :, tile.q0:tile.q1], out_t, lse_t)
     return out, lse
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """Fold a partial result (out_b, lse_b) into (out, lse) in place, exactly.
+
+    A row that has seen no key yet on either side has lse -inf on both; exp(-inf - -inf)
+    would be nan, so such rows stay empty (factor 0) instead.
+    """
+    lse_b = lse_b.to(lse.dtype)
+    new_lse = torch.logaddexp(lse, lse_b)
+    keep = torch.exp(lse - new_lse).nan_to_num_(0.0)
+    take = torch.exp(lse_b - new_lse).nan_to_num_(0.0)
+    out.mul_(keep.unsqueeze(-1)).add_(out_b.to(out.dtype) * take.unsqueeze(-1))
+    lse.copy_(new_lse)
 
 
 def _tile_mask(blk: Block, tile, spec: AttentionSpec, device: torch.device) -> torch.Tensor:

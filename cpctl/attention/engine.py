@@ -7,6 +7,8 @@ single-process SDPA on the full sequence, restricted to this rank's queries.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -34,6 +36,17 @@ class _ContextParallelAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = STRATEGIES[ctx.spec.strategy].backward(seq_major(dout), q, k, v, out, lse, ctx.spec)
         return dq, dk, dv, None
+
+
+def _document_rows(documents, *, batch: int) -> list[tuple[int, ...] | None]:
+    """One tuple of document starts per batch row; None for a row that is one document."""
+    if documents is None:
+        return [None] * batch
+    if len(documents) not in (1, batch):
+        raise CpctlError(f"CP attention: documents for {len(documents)} rows, but the batch has {batch}")
+    rows = [None if row is None else tuple(int(start) for start in row) for row in documents]
+    rows = [None if row == (0,) else row for row in rows]
+    return rows * batch if len(rows) == 1 else rows
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: ChunkLayout, enable_gqa: bool) -> None:
@@ -72,17 +85,27 @@ def context_parallel_attention(
     enable_gqa: bool = False,
     window: int | None = None,
     chunk: int | None = None,
+    documents: Sequence[Sequence[int]] | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's query shard over the whole (sharded) sequence.
 
-    `window` and `chunk` narrow what each query sees (see `masks.Mask`); blocks they hide
-    are skipped, not computed and masked.
+    `window`, `chunk` and `documents` (per batch row, the start position of every packed
+    document) narrow what each query sees (see `masks.Mask`); blocks they hide are skipped,
+    not computed and masked.
     """
     if strategy not in STRATEGIES:
         raise CpctlError(f"cp_comm_strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
     check_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)
+    rows = _document_rows(documents, batch=q.shape[0])
+    if len(set(rows)) > 1:  # rows packed differently: each its own plan
+        return torch.cat([
+            context_parallel_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], group=group, layout=layout,
+                                       strategy=strategy, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                       window=window, chunk=chunk, documents=[rows[b]])
+            for b in range(q.shape[0])
+        ])
     try:
-        mask = Mask(causal=bool(is_causal), window=window, chunk=chunk)
+        mask = Mask(causal=bool(is_causal), window=window, chunk=chunk, documents=rows[0])
     except ValueError as exc:
         raise CpctlError(f"CP attention: {exc}") from None
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

@@ -1,8 +1,9 @@
 """Which keys a query sees, in global token positions, and how a block of pairs splits into kernel calls.
 
 Every mask cpctl computes gives each query row one interval of visible keys, [lo(q), hi(q)],
-with lo and hi never decreasing as q grows: causal, sliding windows (Mistral, Gemma 3) and
-chunked attention (Llama 4), each causal or bidirectional. That shape is what makes a
+with lo and hi never decreasing as q grows: causal, sliding windows (Mistral, Gemma 3),
+chunked attention (Llama 4) and packed documents, each causal or bidirectional, and any
+intersection of them. That shape is what makes a
 rectangle of (query, key) pairs cheap to classify from a few rows: fully visible, hidden,
 a causal square the fused kernels compute with `is_causal`, or partial. A partial rectangle
 is split in halves until every piece is one of the first three or small enough for an
@@ -11,6 +12,7 @@ explicitly masked tile.
 
 from __future__ import annotations
 
+import bisect
 import enum
 from dataclasses import dataclass
 
@@ -30,22 +32,28 @@ class Mask:
 
     `window`: q sees the `window` keys ending at itself (Hugging Face's sliding_window:
     k > q - window), and as many after it when not causal. `chunk`: q sees only keys of its
-    own `chunk`-token chunk. Both may be set; each narrows the visible interval.
+    own `chunk`-token chunk. `documents`: the first position of every document packed into
+    the sequence (0 first, ascending); q sees only keys of its own document. Each narrows
+    the visible interval.
     """
 
     causal: bool = True
     window: int | None = None
     chunk: int | None = None
+    documents: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("window", "chunk"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"mask {name} must be a positive integer, got {value!r}")
+        starts = self.documents
+        if starts is not None and (not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))):
+            raise ValueError("mask documents must be ascending document start positions beginning with 0")
 
     @property
     def is_plain(self) -> bool:
-        return self.window is None and self.chunk is None
+        return self.window is None and self.chunk is None and self.documents is None
 
     def lo(self, q: int) -> int:
         lo = 0
@@ -53,6 +61,8 @@ class Mask:
             lo = max(lo, q - self.window + 1)
         if self.chunk is not None:
             lo = max(lo, q // self.chunk * self.chunk)
+        if self.documents is not None:
+            lo = max(lo, self.documents[bisect.bisect_right(self.documents, q) - 1])
         return lo
 
     def hi(self, q: int, seq_len: int) -> int:
@@ -63,7 +73,31 @@ class Mask:
             hi = min(hi, q + self.window - 1)
         if self.chunk is not None:
             hi = min(hi, (q // self.chunk + 1) * self.chunk - 1)
+        if self.documents is not None:
+            following = bisect.bisect_right(self.documents, q)
+            if following < len(self.documents):
+                hi = min(hi, self.documents[following] - 1)
         return hi
+
+    def row_cost(self, q_start: int, q_stop: int, *, seq_len: int) -> int:
+        """How many (query, key) pairs the queries [q_start, q_stop) see: their attention work."""
+        q = torch.arange(q_start, q_stop, dtype=torch.int64)
+        lo, hi = torch.zeros_like(q), q.clone() if self.causal else torch.full_like(q, seq_len - 1)
+        if self.window is not None:
+            lo = torch.maximum(lo, q - self.window + 1)
+            if not self.causal:
+                hi = torch.minimum(hi, q + self.window - 1)
+        if self.chunk is not None:
+            lo = torch.maximum(lo, q // self.chunk * self.chunk)
+            if not self.causal:
+                hi = torch.minimum(hi, (q // self.chunk + 1) * self.chunk - 1)
+        if self.documents is not None:
+            starts = torch.tensor([*self.documents, seq_len], dtype=torch.int64)
+            index = torch.searchsorted(starts, q, right=True)
+            lo = torch.maximum(lo, starts[index - 1])
+            if not self.causal:
+                hi = torch.minimum(hi, starts[index] - 1)
+        return int((hi - lo + 1).sum())
 
     def classify(self, q0: int, q1: int, k0: int, k1: int, *, seq_len: int) -> Visibility:
         """The rectangle of queries [q0, q1) and keys [k0, k1), from its corner rows (lo, hi monotone)."""
@@ -92,6 +126,10 @@ class Mask:
                 visible = visible & (k < q + self.window)
         if self.chunk is not None:
             visible = visible & (k // self.chunk == q // self.chunk)
+        if self.documents is not None:
+            starts = torch.tensor(self.documents, device=q_pos.device)
+            doc_of = lambda pos: torch.searchsorted(starts, pos, right=True)  # noqa: E731
+            visible = visible & (doc_of(k) == doc_of(q))
         return visible
 
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpctl.attention import ChunkLayout, context_parallel_attention, shard, unshard
+from cpctl.documents import place
 
 
 def gather_full(local: torch.Tensor, layout: ChunkLayout, group) -> torch.Tensor:
@@ -22,9 +23,10 @@ def gather_full(local: torch.Tensor, layout: ChunkLayout, group) -> torch.Tensor
     return unshard(pieces, seq_dim=2, layout=layout)
 
 
-def reference_mask(n, *, causal, window, chunk, device):
-    """None for plain attention; else the boolean mask as Hugging Face's mask functions define it."""
-    if window is None and chunk is None:
+def reference_mask(n, *, causal, window, chunk, documents, device):
+    """None for plain attention; else the boolean mask as Hugging Face's mask functions define it
+    ((n, n), or (batch, 1, n, n) with documents per row)."""
+    if window is None and chunk is None and documents is None:
         return None
     q, k = torch.arange(n, device=device)[:, None], torch.arange(n, device=device)[None, :]
     allowed = (k <= q) if causal else torch.ones(n, n, dtype=torch.bool, device=device)
@@ -32,13 +34,38 @@ def reference_mask(n, *, causal, window, chunk, device):
         allowed &= (k > q - window) if causal else ((q - k).abs() < window)
     if chunk is not None:
         allowed &= k // chunk == q // chunk
-    return allowed
+    if documents is None:
+        return allowed
+    rows = []
+    for starts in documents:
+        doc = torch.zeros(n, dtype=torch.long, device=device)
+        for start in starts[1:]:
+            doc[start:] += 1
+        rows.append(allowed & (doc[:, None] == doc[None, :]))
+    return torch.stack(rows)[:, None]
+
+
+def document_rows(pattern, seq, batch):
+    """Document starts per row for a named packing pattern."""
+    patterns = {
+        "one_token": (0, 1, 2, 3, 9, 10, seq - 1),  # one-token documents, the last token alone
+        "spanning": (0, seq // 4 - 3, seq // 2 + 5, seq - 7),  # documents across chunk and rank boundaries
+        "many_short": tuple(range(0, seq, 3)),
+        "whole": (0,),
+    }
+    if pattern == "mixed_rows":  # each row packed its own way
+        return [patterns["spanning"], patterns["one_token"]][:batch]
+    return [patterns[pattern]] * batch
 
 
 def run_case(*, strategy, causal, load_balance, q_heads, kv_heads, batch, seq, dtype, device, group,
-             window=None, chunk=None, v_dim=None):
+             window=None, chunk=None, v_dim=None, documents=None):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     layout = ChunkLayout(cp_size=world, cp_rank=rank, load_balance=load_balance)
+    if documents is not None:
+        documents = document_rows(documents, seq, batch)
+        if load_balance:  # packed documents get the cost-balanced layout the runtime would pick
+            layout = place(documents, seq_len=seq, cp_size=world, cp_rank=rank).layout
     gen = torch.Generator().manual_seed(1234)
     head_dim = 16 if device.type == "cpu" else 64
 
@@ -50,14 +77,15 @@ def run_case(*, strategy, causal, load_balance, q_heads, kv_heads, batch, seq, d
     k, v = rand(batch, kv_heads, seq, head_dim), rand(batch, kv_heads, seq, v_dim)
     ref_dtype = torch.promote_types(dtype, torch.float32)  # reference in fp32 (fp64 for fp64)
     ref_inputs = [t.detach().to(ref_dtype).clone().requires_grad_() for t in (q, k, v)]
-    mask = reference_mask(seq, causal=causal, window=window, chunk=chunk, device=device)
+    mask = reference_mask(seq, causal=causal, window=window, chunk=chunk, documents=documents, device=device)
     ref = F.scaled_dot_product_attention(*ref_inputs, attn_mask=mask, is_causal=causal and mask is None,
                                          enable_gqa=kv_heads != q_heads)
     ref.backward(dout.to(ref_dtype))
 
     local = [shard(t, seq_dim=2, layout=layout).requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(*local, group=group, layout=layout, strategy=strategy,
-                                     is_causal=causal, enable_gqa=kv_heads != q_heads, window=window, chunk=chunk)
+                                     is_causal=causal, enable_gqa=kv_heads != q_heads, window=window, chunk=chunk,
+                                     documents=documents)
     out.backward(shard(dout, seq_dim=2, layout=layout))
     results = {"out": gather_full(out.detach(), layout, group)}
     for name, tensor in zip("qkv", local):
@@ -102,6 +130,8 @@ def main():
     extras = [dict(window=w) for w in (1, 7, 16, 24, 40, 1000)] + [dict(chunk=c) for c in (5, 16, 24, 40)]
     extras += [dict(window=10, chunk=24), dict(v_dim=8), dict(v_dim=24), dict(dtype=torch.float64),
                dict(dtype=torch.float64, window=24)]
+    extras += [dict(documents=d) for d in ("one_token", "spanning", "many_short", "whole", "mixed_rows")]
+    extras += [dict(documents="spanning", window=6)]
     if device_type == "cuda":
         extras = [e for e in extras if e.get("dtype") != torch.float64]
     for strategy, causal, load_balance, extra in itertools.product(("allgather", "alltoall"), (True, False),

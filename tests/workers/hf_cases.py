@@ -85,7 +85,6 @@ def refused_calls(rt, model, config) -> dict:
 
     padded = torch.ones(2, 64, dtype=torch.long)
     padded[0, :5] = 0
-    packed = torch.cat([torch.arange(40), torch.arange(24)]).repeat(2, 1)
     full_labels = torch.zeros(2, 64, dtype=torch.long)
     def checkpointing_enabled_late():
         model.gradient_checkpointing_enable()
@@ -98,7 +97,6 @@ def refused_calls(rt, model, config) -> dict:
         "checkpointing_after_prepare": error_of(checkpointing_enabled_late),
         "padding_mask": error_of(lambda: step(attention_mask=padded)),
         "use_cache": error_of(lambda: step(use_cache=True)),
-        "packed_positions": error_of(lambda: step(position_ids=packed)),
         "labels_not_in_buffers": error_of(lambda: step(labels=full_labels, _unsharded=full_labels)),
         "attention_dropout": error_of(lambda: rt.prepare_model(LlamaForCausalLM(config.__class__(
             **{**config.to_dict(), "attention_dropout": 0.1})))),

@@ -155,6 +155,10 @@ def case_bad_inputs(rt: Runtime) -> dict:
     mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
     x = randn(2, 1, 4, 8)
     results["mha_need_weights"] = error_of(inside(lambda: mha(x, x, x, need_weights=True)))
+    results["documents_wrong_length"] = error_of(
+        entering(rt, buffers=[ids.clone()], buffer_seq_dims=[1], documents=torch.arange(6).view(1, 6)))
+    results["documents_not_tensor"] = error_of(
+        entering(rt, buffers=[ids.clone()], buffer_seq_dims=[1], documents=[[4, 4]]))
     results["ids_after_errors"] = ids.tolist()  # errors inside the context still restore the buffers
 
     # A rejected call leaves no buffer half-sharded: the good first buffer keeps its full length.

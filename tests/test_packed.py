@@ -1,0 +1,64 @@
+"""Packed documents under CP (tests/workers/packed_cases.py), one launch per (cp size, strategy).
+
+Every case must equal the documents trained one by one, and, for the Hugging Face model, one
+process on the same packed rows (transformers builds the document mask there), in fp32 within
+1e-5: the example Llama and an unmodified Hugging Face Llama; one-token documents, documents
+across chunk and rank boundaries, a document that is the whole row, many short ones, rows
+packed differently; documents given to the context (cost-balanced chunks) or only through the
+model's position ids (head-tail chunks). A case with attention blind to the documents must
+differ: the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from launching import REPO, cpctl, finish
+
+pytest.importorskip("transformers")
+
+WORKER = REPO / "tests" / "workers" / "packed_cases.py"
+TOLERANCE = 1e-5
+RUNS = [(2, "allgather"), (2, "alltoall"), (4, "allgather"), (4, "alltoall")]
+
+
+@pytest.fixture(scope="module")
+def packed_runs(tmp_path_factory: pytest.TempPathFactory):
+    runs: dict = {}
+
+    def get(cp: int, strategy: str) -> dict:
+        if (cp, strategy) not in runs:
+            tmp = tmp_path_factory.mktemp(f"packed{cp}{strategy}")
+            out = tmp / "packed.json"
+            code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", str(cp), "--cp-size", str(cp),
+                                                "--cp-comm-strategy", strategy, str(WORKER), str(out), tmp_path=tmp))
+            assert code == 0, stdout + stderr
+            runs[cp, strategy] = json.loads(out.read_text())
+        return runs[cp, strategy]
+
+    return get
+
+
+@pytest.mark.parametrize(("cp", "strategy"), RUNS, ids=[f"cp{cp}-{s}" for cp, s in RUNS])
+def test_packed_training_equals_the_documents_one_by_one(packed_runs, cp: int, strategy: str) -> None:
+    run = packed_runs(cp, strategy)
+    assert (run["cp"], run["strategy"]) == (cp, strategy)
+    cases = {name: case for name, case in run["cases"].items() if not name.endswith("/leak")}
+    assert len(cases) == 15
+    for name, case in cases.items():
+        assert case["loss_vs_alone"] <= TOLERANCE, (name, case)
+        assert case["grads_vs_alone"] <= TOLERANCE, (name, case)
+        if name.startswith("hf/"):
+            assert case["grads_vs_packed"] <= TOLERANCE, (name, case)
+        if name.endswith("/documents"):  # documents given to the context: chunks placed by cost
+            assert case["balance"] is not None and case["balance"] <= 1.25, (name, case)
+        else:
+            assert case["balance"] is None and case["local_chunks"] == 2, (name, case)
+
+
+@pytest.mark.parametrize(("cp", "strategy"), RUNS[:1], ids=["cp2-allgather"])
+def test_attention_across_documents_is_caught(packed_runs, cp: int, strategy: str) -> None:
+    leak = packed_runs(cp, strategy)["cases"]["example/mixed/leak"]
+    assert leak["grads_vs_alone"] > 1e-4 and leak["loss_vs_alone"] > 1e-4
