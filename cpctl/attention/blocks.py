@@ -8,7 +8,18 @@ from __future__ import annotations
 
 import torch
 
-from cpctl.attention.kernels import accumulation_dtype, block_backward, block_forward, explicit_backward, explicit_forward
+from cpctl.attention.kernels import (
+    expand_kv,
+    fold_kv_grad,
+    accumulation_dtype,
+    block_backward,
+    block_forward,
+    explicit_backward,
+    explicit_forward,
+    window_backward,
+    window_forward,
+    windowed_flash_works,
+)
 from cpctl.attention.masks import Visibility, tiles
 from cpctl.attention.plan import Block
 from cpctl.attention.spec import AttentionSpec
@@ -74,6 +85,14 @@ def _partial_forward(blk: Block, q, k, v, *, spec: AttentionSpec) -> tuple[torch
     dtype = accumulation_dtype(q.dtype)
     out = torch.zeros(*q.shape[:3], v.shape[-1], dtype=dtype, device=q.device)
     lse = torch.full(q.shape[:3], float("-inf"), dtype=dtype, device=q.device)
+    window = _window_call(blk, spec, q)
+    if window is not None:
+        rows, keys, left, right = window
+        groups = q.shape[1] // k.shape[1]
+        out_w, lse_w = window_forward(q[:, :, rows], expand_kv(k[:, :, keys], groups), expand_kv(v[:, :, keys], groups),
+                                      left=left, right=right, scale=spec.scale)
+        out[:, :, rows], lse[:, :, rows] = out_w, lse_w
+        return out, lse
     for tile in _block_tiles(blk, spec):
         qt, kt, vt = q[:, :, tile.q0:tile.q1], k[:, :, tile.k0:tile.k1], v[:, :, tile.k0:tile.k1]
         if tile.kind is Visibility.PARTIAL:
@@ -99,6 +118,25 @@ def merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor, lse_b: torc
     lse.copy_(new_lse)
 
 
+def _window_call(blk: Block, spec: AttentionSpec, q: torch.Tensor):
+    """(rows, keys, left, right) when the pair is one windowed flash call on CUDA, else None.
+
+    A causal sliding window inside the pair's bounding box is a band the kernel's window
+    (bottom-right aligned) expresses exactly, when both of its sizes come out non-negative.
+    """
+    mask = spec.mask
+    if not (q.is_cuda and mask.causal and mask.window is not None and mask.chunk is None and mask.documents is None):
+        return None
+    c = spec.chunk_len
+    q0, k0 = blk.q_chunk * c, blk.kv_chunk * c
+    a, b, ka, kb = mask.bounding_box(q0, q0 + c, k0, k0 + c, seq_len=spec.seq_len)
+    shift, offset = (kb - ka) - (b - a), a - ka  # kernel alignment; query-to-key position offset
+    right, left = offset - shift, shift - offset + mask.window - 1
+    if left < 0 or right < 0 or not windowed_flash_works(q.dtype, q.shape[-1], q.device.index):
+        return None
+    return slice(a - q0, b - q0), slice(ka - k0, kb - k0), left, right
+
+
 def _tile_mask(blk: Block, tile, spec: AttentionSpec, device: torch.device) -> torch.Tensor:
     c = spec.chunk_len
     q_pos = torch.arange(blk.q_chunk * c + tile.q0, blk.q_chunk * c + tile.q1, device=device)
@@ -112,6 +150,17 @@ def _partial_backward(blk: Block, dout, q, k, v, out, lse, *, spec: AttentionSpe
     dq = torch.zeros(q.shape, dtype=dtype, device=q.device)
     dk = torch.zeros(k.shape, dtype=dtype, device=k.device)
     dv = torch.zeros(v.shape, dtype=dtype, device=v.device)
+    window = _window_call(blk, spec, q)
+    if window is not None:
+        rows, keys, left, right = window
+        groups = q.shape[1] // k.shape[1]
+        grads = window_backward(dout[:, :, rows].contiguous(), q[:, :, rows], expand_kv(k[:, :, keys], groups),
+                                expand_kv(v[:, :, keys], groups), out[:, :, rows], lse[:, :, rows].float(),
+                                left=left, right=right, scale=spec.scale)
+        dq[:, :, rows] = grads[0]
+        dk[:, :, keys] = fold_kv_grad(grads[1], groups)
+        dv[:, :, keys] = fold_kv_grad(grads[2], groups)
+        return dq, dk, dv
     for tile in _block_tiles(blk, spec):
         rows, keys = slice(tile.q0, tile.q1), slice(tile.k0, tile.k1)
         args = (dout[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],

@@ -184,13 +184,13 @@ def seq_major(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-def _expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+def expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return t
     return t.transpose(1, 2).repeat_interleave(groups, dim=2).transpose(1, 2)
 
 
-def _fold_kv_grad(grad: torch.Tensor, groups: int) -> torch.Tensor:
+def fold_kv_grad(grad: torch.Tensor, groups: int) -> torch.Tensor:
     if groups == 1:
         return grad
     by_seq = grad.transpose(1, 2)  # (B, S, Hq, D)
@@ -206,7 +206,7 @@ def block_forward(q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor,
     """Attention of a Q block over one K/V block: (out, lse of shape (B, H, Sq) in the accumulation dtype)."""
     # GQA: K/V travel with their own (fewer) heads and are widened only for the kernel.
     groups = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    k, v = expand_kv(k, groups), expand_kv(v, groups)
     out, lse = kernel_for(q).forward(q, k, v, causal=causal, scale=scale)
     return out, lse.to(accumulation_dtype(q.dtype))
 
@@ -214,9 +214,74 @@ def block_forward(q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor,
 def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
     """Gradients of one block, given the *merged* out and lse of the whole row."""
     groups = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, groups), _expand_kv(v, groups)
+    k, v = expand_kv(k, groups), expand_kv(v, groups)
     dq, dk, dv = kernel_for(q).backward(dout, q, k, v, out, lse.contiguous(), causal=causal, scale=scale)
-    return dq, _fold_kv_grad(dk, groups), _fold_kv_grad(dv, groups)
+    return dq, fold_kv_grad(dk, groups), fold_kv_grad(dv, groups)
+
+
+# ----------------------------------------------------------------------------- windowed flash (CUDA)
+
+# On CUDA a rectangle cut by a sliding window's edge is one call of the flash kernel with a
+# window, instead of tiles along the edge. Its variable-length form is the one PyTorch's own
+# `varlen_attn` uses; each batch row is one sequence of the rectangle's length.
+
+
+def _rows_as_sequences(t: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) -> (B * L, H, D), the packed layout of the variable-length kernel."""
+    b, h, length, d = t.shape
+    return t.transpose(1, 2).reshape(b * length, h, d)
+
+
+def _offsets(batch: int, length: int, device) -> torch.Tensor:
+    return torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
+
+
+def window_forward(q, k, v, *, left: int, right: int, scale: float):
+    """Query i sees key j iff i + (Lk - Lq) - left <= j <= i + (Lk - Lq) + right; (out, lse (B, H, Lq))."""
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    out, lse, _, _, _ = aten._flash_attention_forward(
+        _rows_as_sequences(q), _rows_as_sequences(k), _rows_as_sequences(v), _offsets(b, lq, q.device),
+        _offsets(b, lk, q.device), lq, lk, 0.0, False, False, scale=scale, window_size_left=left,
+        window_size_right=right)
+    return out.view(b, lq, h, d).transpose(1, 2), lse.view(h, b, lq).transpose(0, 1)
+
+
+def window_backward(dout, q, k, v, out, lse, *, left: int, right: int, scale: float):
+    b, h, lq, d = q.shape
+    lk = k.shape[2]
+    no_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
+    dq, dk, dv = aten._flash_attention_backward(
+        _rows_as_sequences(dout), _rows_as_sequences(q), _rows_as_sequences(k), _rows_as_sequences(v),
+        _rows_as_sequences(out), lse.transpose(0, 1).reshape(h, b * lq).contiguous(), _offsets(b, lq, q.device),
+        _offsets(b, lk, q.device), lq, lk, 0.0, False, no_rng, torch.empty(0, device=q.device), scale=scale,
+        window_size_left=left, window_size_right=right)
+    return (dq.view(b, lq, h, d).transpose(1, 2), dk.view(b, lk, h, d).transpose(1, 2),
+            dv.view(b, lk, h, d).transpose(1, 2))
+
+
+@functools.lru_cache(maxsize=None)
+def windowed_flash_works(dtype: torch.dtype, head_dim: int, device_index: int | None) -> bool:
+    """Whether window_forward/backward give the explicit mask's results here (checked once)."""
+    device = torch.device("cuda", device_index)
+    gen = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(2, 2, 96, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(4))
+    q, k = q[:, :, 16:], k[:, :, :80]  # 80 x 80, the keys starting 16 tokens before the queries
+    left, right, scale = 20, 16, head_dim ** -0.5
+    i, j = torch.arange(80, device=device)[:, None], torch.arange(80, device=device)[None, :]
+    allowed = (j >= i - left) & (j <= i + right)
+    try:
+        with torch.no_grad():
+            out, lse = window_forward(q, k, v, left=left, right=right, scale=scale)
+            grads = window_backward(dout, q, k, v, out, lse.float().contiguous(), left=left, right=right, scale=scale)
+            want_out, want_lse = explicit_forward(q, k, v, allowed=allowed, scale=scale)
+            want = explicit_backward(dout, q, k, v, out, want_lse, allowed=allowed, scale=scale)
+            torch.cuda.synchronize(device)
+    except (RuntimeError, IndexError, TypeError):
+        return False
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    errors = [(a.double() - b.double()).abs().max().item() for a, b in zip((out, lse, *grads), (want_out, want_lse, *want))]
+    return max(errors) <= tolerance
 
 
 # ----------------------------------------------------------------------------- explicit tiles
@@ -230,7 +295,7 @@ def explicit_forward(q, k, v, *, allowed: torch.Tensor, scale: float) -> tuple[t
     """
     dtype = accumulation_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
-    k, v = _expand_kv(k, groups).to(dtype), _expand_kv(v, groups).to(dtype)
+    k, v = expand_kv(k, groups).to(dtype), expand_kv(v, groups).to(dtype)
     scores = (q.to(dtype) @ k.transpose(-1, -2)).mul_(scale).masked_fill_(~allowed, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1)).nan_to_num_(0.0)
@@ -242,7 +307,7 @@ def explicit_backward(dout, q, k, v, out, lse, *, allowed: torch.Tensor, scale: 
     dtype = accumulation_dtype(q.dtype)
     groups = q.shape[1] // k.shape[1]
     q32, dout32 = q.to(dtype), dout.to(dtype)
-    k32, v32 = _expand_kv(k, groups).to(dtype), _expand_kv(v, groups).to(dtype)
+    k32, v32 = expand_kv(k, groups).to(dtype), expand_kv(v, groups).to(dtype)
     scores = (q32 @ k32.transpose(-1, -2)).mul_(scale).masked_fill_(~allowed, float("-inf"))
     probs = torch.exp(scores - lse.to(dtype).unsqueeze(-1))
     dv = probs.transpose(-1, -2) @ dout32
@@ -250,4 +315,4 @@ def explicit_backward(dout, q, k, v, out, lse, *, allowed: torch.Tensor, scale: 
     dscores = probs * (dout32 @ v32.transpose(-1, -2) - delta)
     dq = (dscores @ k32).mul_(scale)
     dk = (dscores.transpose(-1, -2) @ q32).mul_(scale)
-    return dq, _fold_kv_grad(dk, groups), _fold_kv_grad(dv, groups)
+    return dq, fold_kv_grad(dk, groups), fold_kv_grad(dv, groups)

@@ -109,6 +109,14 @@ class Mask:
             return Visibility.DIAGONAL
         return Visibility.PARTIAL
 
+    def bounding_box(self, q0: int, q1: int, k0: int, k1: int, *, seq_len: int) -> tuple[int, int, int, int]:
+        """The smallest sub-rectangle holding every visible pair of a rectangle that has one."""
+        # Rows that see something run from the first whose interval reaches k0 to before the
+        # first whose interval starts past k1 - 1 (both ends move forward only).
+        first = _first(q0, q1, lambda q: self.hi(q, seq_len) >= k0)
+        stop = _first(first, q1, lambda q: self.lo(q) > k1 - 1)
+        return first, stop, max(k0, self.lo(first)), min(k1, self.hi(stop - 1, seq_len) + 1)
+
     def _hidden(self, q0: int, q1: int, k0: int, k1: int, seq_len: int) -> bool:
         # Rows whose interval ends before k0 form a prefix, rows whose interval starts after
         # k1 - 1 a suffix; the rectangle is hidden iff the two cover every row.
@@ -172,6 +180,14 @@ def tiles(mask: Mask, *, q_start: int, k_start: int, q_len: int, k_len: int, seq
         kind = mask.classify(q_start + q0, q_start + q1, k_start + k0, k_start + k1, seq_len=seq_len)
         if kind is Visibility.NONE:
             return
+        if kind is Visibility.PARTIAL:
+            # Shrink to the pairs' bounding box first: a document or window edge that runs
+            # along a whole side then costs nothing, and only corners need explicit tiles.
+            box = mask.bounding_box(q_start + q0, q_start + q1, k_start + k0, k_start + k1, seq_len=seq_len)
+            box = (box[0] - q_start, box[1] - q_start, box[2] - k_start, box[3] - k_start)
+            if box != (q0, q1, k0, k1):
+                visit(*box)
+                return
         if kind is not Visibility.PARTIAL or (q1 - q0 <= explicit_tile and k1 - k0 <= explicit_tile):
             out.append(Tile(q0, q1, k0, k1, kind))
             return
