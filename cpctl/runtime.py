@@ -18,6 +18,7 @@ import atexit
 import contextlib
 import datetime
 import gc
+import itertools
 import json
 import logging
 import os
@@ -376,6 +377,44 @@ class Runtime:
         averaging = self.axes["dp_cp"].size()  # FSDP's gradient reduction divides by this
         share = loss_sum * (averaging / total_tokens)
         return share + (total_loss / total_tokens - share).detach()
+
+    def document_mean(self, token_losses: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, *,
+                      ignore_index: int = -100) -> torch.Tensor:
+        """The mean over every packed document of the dp x cp batch of its own token-mean loss.
+
+        `token_losses` (cross-entropy with reduction="none"), `labels` and `position_ids` are
+        this rank's shards, (batch, local_seq), or full rows with cp_size 1. A document's
+        tokens may sit on several ranks: its sum and count are reduced over the CP group
+        first. Value and gradient as `token_mean`'s: the global mean on every rank, and the
+        single-process gradient after FSDP's averaging.
+        """
+        for name, tensor in (("labels", labels), ("position_ids", position_ids)):
+            self.require_sharded(tensor, name=f"document_mean's {name}", seq_dim=1)
+        full_positions = self.unshard(position_ids, seq_dim=1)
+        starts = packing.starts_per_row(full_positions)
+        # each local token's document, numbered across the rows of this rank's batch
+        offsets = torch.tensor([0, *itertools.accumulate(len(row) for row in starts)][:-1], device=labels.device)
+        global_pos = self.shard(torch.arange(full_positions.shape[1], device=labels.device).expand_as(full_positions),
+                                seq_dim=1)
+        doc = torch.stack([torch.searchsorted(torch.tensor(row, device=labels.device), global_pos[b], right=True) - 1
+                           for b, row in enumerate(starts)]) + offsets[:, None]
+        kept = labels != ignore_index
+        num_docs = sum(len(row) for row in starts)
+        sums = torch.zeros(num_docs, dtype=torch.float32, device=labels.device)
+        counts = torch.zeros(num_docs, dtype=torch.float32, device=labels.device)
+        sums.index_add_(0, doc[kept], token_losses[kept].detach().float())
+        counts.index_add_(0, doc[kept], torch.ones_like(sums[doc[kept]]))
+        totals = torch.cat([sums, counts])
+        dist.all_reduce(totals, group=self.cp_group)  # the same documents on every CP rank
+        sums, counts = totals[:num_docs], totals[num_docs:]
+        with_tokens = counts > 0
+        stats = torch.stack([(sums[with_tokens] / counts[with_tokens]).sum(), with_tokens.sum().float()])
+        dist.all_reduce(stats, group=self.axes["dp"].get_group())  # other dp ranks: other documents
+        total_means, total_docs = stats[0], stats[1].clamp(min=1)
+        weights = (1.0 / counts.clamp(min=1))[doc] * kept
+        averaging = self.axes["dp_cp"].size()
+        share = (token_losses * weights).sum() * (averaging / total_docs)
+        return share + (total_means / total_docs - share).detach()
 
 
 class EpochDataLoader(torch.utils.data.DataLoader):

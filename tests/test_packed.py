@@ -2,7 +2,7 @@
 
 Every case must equal the documents trained one by one, and, for the Hugging Face model, one
 process on the same packed rows (transformers builds the document mask there), in fp32 within
-1e-5: the example Llama and an unmodified Hugging Face Llama; one-token documents, documents
+1e-5 (and `rt.document_mean`, the mean of the documents' own means, against the same one by one): the example Llama and an unmodified Hugging Face Llama; one-token documents, documents
 across chunk and rank boundaries, a document that is the whole row, many short ones, rows
 packed differently; documents given to the context (cost-balanced chunks) or only through the
 model's position ids (head-tail chunks). A case with attention blind to the documents must
@@ -46,13 +46,13 @@ def test_packed_training_equals_the_documents_one_by_one(packed_runs, cp: int, s
     run = packed_runs(cp, strategy)
     assert (run["cp"], run["strategy"]) == (cp, strategy)
     cases = {name: case for name, case in run["cases"].items() if not name.endswith("/leak")}
-    assert len(cases) == 15
+    assert len(cases) == 17  # 15 token-mean cases, 2 document-mean ones
     for name, case in cases.items():
         assert case["loss_vs_alone"] <= TOLERANCE, (name, case)
         assert case["grads_vs_alone"] <= TOLERANCE, (name, case)
         if name.startswith("hf/"):
             assert case["grads_vs_packed"] <= TOLERANCE, (name, case)
-        if name.endswith("/documents"):  # documents given to the context: chunks placed by cost
+        if name.endswith(("/documents", "/document_mean")):  # documents given to the context: placed by cost
             assert case["balance"] is not None and case["balance"] <= 1.25, (name, case)
         else:
             assert case["balance"] is None and case["local_chunks"] == 2, (name, case)

@@ -38,8 +38,9 @@ def logits_of(model, ids, pos, *, hf: bool):
     return model(input_ids=ids, position_ids=pos, use_cache=False).logits if hf else model(ids, position_ids=pos)
 
 
-def one_by_one(model, ids, lengths, *, hf: bool):
-    """Loss sum and token count of every document of every row, each run alone."""
+def one_by_one(model, ids, lengths, *, hf: bool, per_document: bool = False):
+    """Loss sum and token count of every document of every row, each run alone
+    (per_document: the sum of the documents' own mean losses, and how many documents)."""
     total, tokens = 0.0, 0
     for row, row_lengths in enumerate(lengths):
         start = 0
@@ -50,8 +51,10 @@ def one_by_one(model, ids, lengths, *, hf: bool):
             if length == 1:
                 continue  # its only token predicts nothing
             logits = logits_of(model, doc, cpctl.position_ids_like(doc), hf=hf)
-            total = total + F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
-            tokens += int((labels != -100).sum())
+            doc_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum")
+            doc_tokens = int((labels != -100).sum())
+            total = total + (doc_sum / doc_tokens if per_document else doc_sum)
+            tokens += 1 if per_document else doc_tokens
     return total, tokens
 
 
@@ -76,7 +79,7 @@ def build(kind: str):
                                              ffn_dim=64))
 
 
-def run(rt, kind: str, packing: str, *, documents_arg: bool, leak: bool = False) -> dict:
+def run(rt, kind: str, packing: str, *, documents_arg: bool, leak: bool = False, per_document: bool = False) -> dict:
     hf = kind == "hf"
     lengths = PACKINGS[packing]
     reference = build(kind)
@@ -86,7 +89,7 @@ def run(rt, kind: str, packing: str, *, documents_arg: bool, leak: bool = False)
 
     # Reference 1: the documents one by one.
     alone = copy.deepcopy(reference)
-    loss_sum, tokens = one_by_one(alone, ids_full, lengths, hf=hf)
+    loss_sum, tokens = one_by_one(alone, ids_full, lengths, hf=hf, per_document=per_document)
     (loss_sum / tokens).backward()
     result = {"tokens": tokens, "loss_alone": (loss_sum / tokens).item()}
     # Reference 2 (Hugging Face): one process on the packed rows; transformers sees the restarts.
@@ -103,7 +106,12 @@ def run(rt, kind: str, packing: str, *, documents_arg: bool, leak: bool = False)
         if leak:  # attention blind to the documents: must differ from the references
             pos.copy_(rt.shard(cpctl.position_ids_like(ids_full), seq_dim=1))
         logits = logits_of(model, ids, pos, hf=hf)
-        loss = rt.token_mean(F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum"), labels)
+        if per_document:  # each document's own mean, then the mean over documents
+            token_losses = F.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none")
+            loss = rt.document_mean(token_losses, labels, pos)
+        else:
+            loss = rt.token_mean(F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum"),
+                                 labels)
         loss.backward()
     cp_grads = grads_of(model)
     result.update(loss=loss.item(), loss_vs_alone=abs(loss.item() - result["loss_alone"]),
@@ -123,6 +131,8 @@ def main() -> None:
                 name = f"{kind}/{packing}/{'documents' if documents_arg else 'positions'}"
                 results[name] = run(rt, kind, packing, documents_arg=documents_arg)
     results["example/mixed/leak"] = run(rt, "example", "mixed", documents_arg=False, leak=True)
+    for packing in ("mixed", "one_token_docs"):
+        results[f"example/{packing}/document_mean"] = run(rt, "example", packing, documents_arg=True, per_document=True)
     if rt.is_main:
         with open(sys.argv[1], "w") as f:
             json.dump({"cp": rt.cp_size, "strategy": rt.config.parallelism.cp_comm_strategy, "cases": results}, f)
