@@ -1,4 +1,5 @@
-"""Which LSE-returning CUDA attention kernels work here, checked against autograd SDPA.
+"""Which LSE-returning CUDA attention kernels work here, checked against autograd SDPA, and
+whether the flash kernel's window computes a sliding window's band (else: why not).
 
     python scripts/probe_kernels.py
 """
@@ -16,3 +17,6 @@ for name in kernels.CUDA_PREFERENCE:
             print(name, dtype, "FAILED:", exc)
 kernels.force_kernel(None)
 print("automatic choice:", kernels.kernel_for(torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)).name)
+for dtype in (torch.bfloat16, torch.float16):
+    problem = kernels.windowed_flash_problem(dtype, 128, torch.cuda.current_device())
+    print("windowed flash", dtype, "ok" if problem is None else f"FAILED: {problem}")

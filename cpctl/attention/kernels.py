@@ -260,13 +260,18 @@ def window_backward(dout, q, k, v, out, lse, *, left: int, right: int, scale: fl
             dv.view(b, lk, h, d).transpose(1, 2))
 
 
-@functools.lru_cache(maxsize=None)
 def windowed_flash_works(dtype: torch.dtype, head_dim: int, device_index: int | None) -> bool:
-    """Whether window_forward/backward give the explicit mask's results here (checked once)."""
+    return windowed_flash_problem(dtype, head_dim, device_index) is None
+
+
+@functools.lru_cache(maxsize=None)
+def windowed_flash_problem(dtype: torch.dtype, head_dim: int, device_index: int | None) -> str | None:
+    """None if window_forward/backward give the explicit mask's results here (checked once), else why not."""
     device = torch.device("cuda", device_index)
     gen = torch.Generator(device=device).manual_seed(0)
     q, k, v, dout = (torch.randn(2, 2, 96, head_dim, device=device, dtype=dtype, generator=gen) for _ in range(4))
-    q, k = q[:, :, 16:], k[:, :, :80]  # 80 x 80, the keys starting 16 tokens before the queries
+    # 80 x 80, the keys starting 16 tokens before the queries
+    q, dout, k, v = q[:, :, 16:], dout[:, :, 16:], k[:, :, :80], v[:, :, :80]
     left, right, scale = 20, 16, head_dim ** -0.5
     i, j = torch.arange(80, device=device)[:, None], torch.arange(80, device=device)[None, :]
     allowed = (j >= i - left) & (j <= i + right)
@@ -277,11 +282,13 @@ def windowed_flash_works(dtype: torch.dtype, head_dim: int, device_index: int | 
             want_out, want_lse = explicit_forward(q, k, v, allowed=allowed, scale=scale)
             want = explicit_backward(dout, q, k, v, out, want_lse, allowed=allowed, scale=scale)
             torch.cuda.synchronize(device)
-    except (RuntimeError, IndexError, TypeError):
-        return False
+    except (RuntimeError, IndexError, TypeError) as exc:  # not built for this dtype/arch, or another schema
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-    errors = [(a.double() - b.double()).abs().max().item() for a, b in zip((out, lse, *grads), (want_out, want_lse, *want))]
-    return max(errors) <= tolerance
+    names = ("out", "lse", "dq", "dk", "dv")
+    errors = {n: (a.double() - b.double()).abs().max().item() for n, a, b in zip(names, (out, lse, *grads),
+                                                                                (want_out, want_lse, *want))}
+    return None if max(errors.values()) <= tolerance else f"wrong results: {errors}"
 
 
 # ----------------------------------------------------------------------------- explicit tiles
