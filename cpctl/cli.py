@@ -23,7 +23,8 @@ from rich.table import Table
 
 from cpctl import __version__
 from cpctl.errors import CpctlError
-from cpctl.profile import FIELDS, FieldSpec
+from cpctl.config.layers import PROFILE_ENV_VAR
+from cpctl.config.schema import KEYS, Key
 
 if TYPE_CHECKING:
     from cpctl.launcher import Plan
@@ -40,18 +41,18 @@ MESH_HEAD_ROWS, MESH_TAIL_ROWS = 16, 4  # larger worlds print the first and last
 
 # ----------------------------------------------------------------------------- profile flags
 # One place defines the option set of `config`, `launch` and `check`: a `--<key> VALUE` per
-# profile key (profile.FIELDS), parsed and validated by the profile so every bad value gets
-# the same one-line error whether it came from a flag, a variable or a file.
+# profile key (config.schema.KEYS), parsed and validated by the profile so every bad value
+# gets the same one-line error whether it came from a flag, a variable or a file.
 
-PROFILE_FLAGS: tuple[FieldSpec, ...] = tuple(spec for spec in FIELDS.values() if spec.path != "version")
+PROFILE_FLAGS: tuple[Key, ...] = tuple(spec for spec in KEYS.values() if spec.path != "version")
 _PANELS = {"parallelism": "Parallelism", "fsdp": "FSDP", "launch": "Machines", "": "Model"}
 
 
-def _param_name(spec: FieldSpec) -> str:
-    return "flag_" + spec.env_suffix.lower()
+def _param_name(spec: Key) -> str:
+    return "flag_" + spec.name
 
 
-def _flag_parameter(spec: FieldSpec) -> inspect.Parameter:
+def _flag_parameter(spec: Key) -> inspect.Parameter:
     option = typer.Option(
         spec.flag,
         help=f"{spec.help} ({spec.allowed}; env {spec.env_var})",
@@ -175,7 +176,7 @@ def launch(
     SCRIPT, and everything after `--`, goes to the script.
     """
     from cpctl import launcher
-    from cpctl import profile as profiles
+    from cpctl.config import resolve
 
     with user_errors():
         if script is None:
@@ -187,7 +188,7 @@ def launch(
             taken = [spec.flag for spec in PROFILE_FLAGS if spec.path in trailing] + (["--dry-run"] if trailing_dry_run else [])
             _stderr().print(f"[dim]note: {escape(', '.join(taken))} after the script taken as cpctl options; "
                             "script options of the same name go after --[/]", soft_wrap=True)
-        resolved = profiles.resolve(flags={**flags, **trailing}, config=config, profile_name=profile)
+        resolved = resolve(flags={**flags, **trailing}, config=config, profile_name=profile)
         plan = launcher.prepare(resolved, target=script, target_args=script_args, module=module)
         if dry_run or trailing_dry_run:
             _print_plan(plan)
@@ -302,7 +303,7 @@ def _print_plan(plan: Plan) -> None:
     out.print("[bold]Worker command[/] (what cpctl launch runs, as a shell line):")
     out.print(plan.command_line(), markup=False, highlight=False, soft_wrap=True)
     out.print(
-        f"[dim]The resolved profile reaches every worker as JSON in {escape(next(iter(plan.env)))}; "
+        f"[dim]The resolved profile reaches every worker as JSON in {PROFILE_ENV_VAR}; "
         "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.[/]",
         soft_wrap=True,
     )

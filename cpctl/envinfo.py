@@ -17,20 +17,19 @@ from pathlib import Path
 from typing import Any
 
 from cpctl.errors import CpctlError
-from cpctl.profile import (
+from cpctl.config import (
     LOCAL_PROFILE,
     PROFILE_ENV_VAR,
     USER_PROFILE_NAME,
-    Machine,
     Resolved,
     detect_machine,
     merge_layers,
     resolve,
+    target_machine,
     user_config_dir,
 )
 
 MIN_TORCH = (2, 6)  # FSDP2 (fully_shard) and DTensor-based CP attention need it
-STATIC_GPUS_PER_NODE = 8  # what `check --static` assumes for a cuda profile with nproc_per_node auto
 REPORTED_PACKAGES = ("cpctl", "torch", "numpy", "typer", "rich", "pyyaml", "questionary")
 
 
@@ -76,20 +75,6 @@ class Check:
     name: str
     ok: bool | None  # None: skipped
     detail: str
-
-
-def target_machine(values: Mapping[str, Any], *, detected: Machine) -> tuple[Machine, str]:
-    """The machine a profile is written for, for `check --static`: a cuda profile gets as many
-    GPUs as it asks per node, whatever this machine has."""
-    device = values.get("launch.device", "auto")
-    nproc = values.get("launch.nproc_per_node", "auto")
-    if device == "cpu":
-        return Machine(cuda_devices=0), "a CPU machine"
-    if device == "cuda":
-        gpus = nproc if isinstance(nproc, int) else (detected.cuda_devices or STATIC_GPUS_PER_NODE)
-        why = "as the profile asks" if isinstance(nproc, int) else "nproc_per_node auto"
-        return Machine(cuda_devices=gpus), f"a node with {gpus} GPUs ({why})"
-    return detected, f"this machine ({detected.cuda_devices} GPUs visible; device auto)"
 
 
 def run_checks(
@@ -152,7 +137,7 @@ def _device_checks(resolved: Resolved) -> list[Check]:
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         devices = Check(
             "devices",
-            count >= launch.nproc_per_node,  # type: ignore[operator]
+            count >= launch.nproc_per_node,
             f"{count} GPUs usable by torch, {launch.nproc_per_node} needed per node",
         )
         backend_name, available = "nccl", dist.is_available() and dist.is_nccl_available()

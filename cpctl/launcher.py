@@ -29,7 +29,7 @@ from pathlib import Path
 
 from cpctl import envinfo
 from cpctl.errors import CpctlError
-from cpctl.profile import PROFILE_ENV_VAR, Profile, Resolved
+from cpctl.config import PROFILE_ENV_VAR, Profile, Resolved
 
 # torchrun reads the per-line prefix template of tee'd worker output from this variable.
 LOG_PREFIX_ENV_VAR = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
@@ -87,7 +87,7 @@ def worker_env(profile: Profile, *, environ: Mapping[str, str]) -> dict[str, str
     env = {PROFILE_ENV_VAR: json.dumps(profile.to_dict(), separators=(",", ":"))}
     if LOG_PREFIX_ENV_VAR not in environ:  # a user's own template wins
         env[LOG_PREFIX_ENV_VAR] = LOG_PREFIX
-    if "OMP_NUM_THREADS" not in environ and profile.launch.nproc_per_node > 1:  # type: ignore[operator]
+    if "OMP_NUM_THREADS" not in environ and profile.launch.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"  # what torchrun would set, without its banner
     return env
 

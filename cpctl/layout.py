@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cpctl.profile import Parallelism
+from cpctl.config import Parallelism
 
 MESH_AXES = ("dp_replicate", "dp_shard", "cp", "tp")
 
@@ -26,7 +26,7 @@ class Coordinate:
 def axis_sizes(parallelism: Parallelism) -> tuple[int, int, int, int]:
     return (
         parallelism.dp_replicate_size,
-        int(parallelism.dp_shard_size),
+        parallelism.dp_shard_size,
         parallelism.cp_size,
         parallelism.tp_size,
     )

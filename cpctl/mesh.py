@@ -1,4 +1,5 @@
-"""The DeviceMesh: axes dp_replicate, dp_shard, cp, tp, plus the flattened ones FSDP and losses use.
+"""The DeviceMesh a resolved profile implies: axes dp_replicate, dp_shard, cp, tp, plus the
+flattened and combined ones that FSDP, the loss and the data loader use.
 
 The axis order is the one `cpctl.layout` prints in `cpctl launch --dry-run`; tp varies
 fastest so tensor-parallel peers share a node.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from cpctl.layout import MESH_AXES, axis_sizes
-from cpctl.profile import Parallelism
+from cpctl.config import Parallelism
 
 # Flattened axes: "dp" (how many batches a step sees), "dp_shard_cp" (what FSDP shards over),
 # "dp_cp" (every rank that holds different tokens: loss normalisation).
@@ -21,12 +22,15 @@ FLATTENED = {
 
 
 def build_mesh(parallelism: Parallelism, *, device_type: str) -> tuple[DeviceMesh, dict[str, DeviceMesh]]:
-    """The root mesh, and every axis by name (flattened ones included) as its own mesh.
+    """The root mesh, and every named sub-mesh: each axis, each flattened axis, and "fsdp"
+    (what FSDP2 shards over: dp_shard_cp, or (dp_replicate, dp_shard_cp) for HSDP).
 
-    Newer torch wants flattened meshes kept by the caller rather than sliced from the root.
+    Each flattened mesh is made once here and kept, as newer torch wants; the 2-D HSDP mesh is
+    the root sliced by the flattened axis's name, the way torch (and torchtitan) form it.
     """
     mesh = init_device_mesh(device_type, axis_sizes(parallelism), mesh_dim_names=MESH_AXES)
     axes = {name: mesh[name] for name in MESH_AXES}
     for name, parts in FLATTENED.items():
         axes[name] = mesh[parts]._flatten(name)  # torchtitan's spelling of the same step
+    axes["fsdp"] = mesh["dp_replicate", "dp_shard_cp"] if parallelism.dp_replicate_size > 1 else axes["dp_shard_cp"]
     return mesh, axes

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpctl.errors import CpctlError
-from cpctl.profile import Fsdp
+from cpctl.config import Fsdp
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

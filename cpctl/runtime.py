@@ -19,7 +19,6 @@ import contextlib
 import datetime
 import gc
 import itertools
-import json
 import logging
 import os
 import sys
@@ -36,7 +35,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from cpctl import documents as packing
 from cpctl import huggingface
-from cpctl import profile as profiles
+from cpctl import config
 from cpctl.attention import ChunkLayout, context_parallel_attention
 from cpctl.attention import sharding
 from cpctl.attention.dispatch import RouteSDPA
@@ -49,7 +48,7 @@ from cpctl.parallelize import apply_activation_checkpointing, apply_fsdp, apply_
 class Runtime:
     """One process's view of the parallel job. Build it with `cpctl.init()`."""
 
-    config: profiles.Profile
+    config: config.Profile
     mesh: DeviceMesh
     device: torch.device
     axes: dict[str, DeviceMesh]  # every axis by name, flattened ones included
@@ -130,7 +129,7 @@ class Runtime:
             apply_activation_checkpointing(found, model, recompute_context=self._recompute_context)
             found = find_blocks(model) if blocks is None else found
         if self.config.fsdp.version == 2:
-            apply_fsdp(model, mesh=self._fsdp_mesh(), fsdp=self.config.fsdp, blocks=found)
+            apply_fsdp(model, mesh=self.axes["fsdp"], fsdp=self.config.fsdp, blocks=found)
         elif self.axes["dp_cp"].size() > 1:
             # Without a gradient reduction the ranks would drift apart, and token_mean's scaling
             # (which expects the average over dp x cp ranks) would be wrong.
@@ -155,11 +154,6 @@ class Runtime:
                 yield
         finally:
             self._cp_active, self._documents = was
-
-    def _fsdp_mesh(self) -> DeviceMesh:
-        if self.config.parallelism.dp_replicate_size > 1:
-            return self.mesh["dp_replicate", "dp_shard_cp"]  # HSDP: replicate x shard
-        return self.axes["dp_shard_cp"]
 
     def prepare_dataloader(self, dataset, *, batch_size: int = 1, shuffle: bool = True, collate_fn=None,
                            seed: int = 0, **loader_kwargs) -> torch.utils.data.DataLoader:
@@ -533,50 +527,23 @@ def init(**overrides: Any) -> Runtime:
                              f"it cannot change to {overrides} in the same process")
         return _RUNTIME
     require_torch(torch.__version__)
-    config = _profile_for_this_process(overrides)
-    device = _device_for(config)
+    profile = _profile_for_this_process(overrides)
+    device = _device_for(profile)
     if not dist.is_initialized():
         _init_process_group(device)
         _note_uncaught_exceptions()
         atexit.register(_shutdown)
-    mesh, axes = build_mesh(config.parallelism, device_type=device.type)
-    _RUNTIME, _INIT_OVERRIDES = Runtime(config=config, mesh=mesh, device=device, axes=axes), dict(overrides)
+    mesh, axes = build_mesh(profile.parallelism, device_type=device.type)
+    _RUNTIME, _INIT_OVERRIDES = Runtime(config=profile, mesh=mesh, device=device, axes=axes), dict(overrides)
     return _RUNTIME
 
 
-def _profile_for_this_process(overrides: dict[str, Any]) -> profiles.Profile:
-    by_leaf = {spec.leaf: spec.path for spec in profiles.FIELDS.values()}
-    unknown = [key for key in overrides if key not in by_leaf]
-    if unknown:
-        raise CpctlError(f"cpctl.init({unknown[0]}=...): unknown profile key; known: {', '.join(sorted(by_leaf))}")
-    passed = os.environ.get(profiles.PROFILE_ENV_VAR)
-    if passed:  # from `cpctl launch`: already resolved and validated there
-        tree = json.loads(passed)
-        layer, _ = profiles.text_layer({by_leaf[key]: str(value) for key, value in overrides.items()},
-                                       source_of=lambda spec: f"cpctl.init({spec.leaf}=...)")
-        for section, values in layer.items():
-            if isinstance(values, dict):
-                tree.setdefault(section, {}).update(values)
-            else:
-                tree[section] = values
-        machine = profiles.Machine(cuda_devices=torch.cuda.device_count())
-        config, _ = profiles.fill_auto(profiles.from_dict(tree, source=profiles.PROFILE_ENV_VAR), machine=machine)
-        profiles.validate(config)
-        return config
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    flags: dict[str, Any] = {"launch.nproc_per_node": str(local_world), "launch.nnodes": str(world // local_world)}
-    if world == 1:  # plain `python script.py`: nothing to parallelise
-        flags.update({f"parallelism.{k}": "1" for k in ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")})
-    if world > local_world:
-        flags["launch.rdzv_endpoint"] = f"{os.environ.get('MASTER_ADDR', 'localhost')}:{os.environ.get('MASTER_PORT', '29500')}"
-    flags.update({by_leaf[key]: str(value) for key, value in overrides.items()})
-    environ = {k: v for k, v in os.environ.items() if k != profiles.PROFILE_ENV_VAR}
-    return profiles.resolve(flags=flags, environ=environ).profile
+def _profile_for_this_process(overrides: dict[str, Any]) -> config.Profile:
+    return config.for_worker(overrides, environ=os.environ, cuda_devices=torch.cuda.device_count()).profile
 
 
-def _device_for(config: profiles.Profile) -> torch.device:
-    if config.launch.device == "cuda":
+def _device_for(profile: config.Profile) -> torch.device:
+    if profile.launch.device == "cuda":
         if not torch.cuda.is_available():
             raise CpctlError("the profile says device cuda but torch sees no GPU; use --device cpu")
         index = int(os.environ.get("LOCAL_RANK", "0"))

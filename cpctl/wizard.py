@@ -1,10 +1,11 @@
 """`cpctl config`: the wizard that asks for a profile, checks every answer, and writes YAML.
 
-Every answer goes through the profile schema (`FieldSpec.parse_text` / `check` in
-cpctl/profile.py) and through the cross-key rules that can already be decided from the answers
-so far (the sizes must divide the world size, CP needs FSDP2 and SDPA, ...), so a bad answer is
-re-asked at once. The final text is loaded back with `profile.load_file` and resolved with
-`profile.resolve` before it replaces the output file: the wizard never writes an invalid profile.
+The questions, their help and their choices are the keys' own declarations (cpctl/config/
+schema.py); this module only orders them. Every answer goes through the key's kind and
+through the profile rules that can already be decided from the answers so far (cpctl/config/
+rules.py: the sizes must fit the world size, CP needs FSDP2 and SDPA, ...), so a bad answer is
+re-asked at once. The final text is resolved with `config.resolve` before it replaces the
+output file: the wizard never writes an invalid profile.
 
 `--yes`, or stdin not a terminal, takes the defaults and the flags without asking.
 questionary (and prompt_toolkit) are imported only here, and only when a question is asked.
@@ -24,34 +25,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from cpctl import profile as prof
+from cpctl import config
+from cpctl.config import AUTO, KEYS
+from cpctl.config.rules import Machine, fill_auto, first_problem, world_size
 from cpctl.errors import CpctlError
 
-DEFAULT_OUTPUT = Path(prof.LOCAL_PROFILE)
+DEFAULT_OUTPUT = Path(config.LOCAL_PROFILE)
 EXIT_WRITTEN, EXIT_ABORTED, EXIT_INTERRUPTED = 0, 1, 130
-
-# The four mesh axes whose sizes multiply to the world size, with the names errors use.
-AXES = {
-    "parallelism.dp_replicate_size": "dp_replicate",
-    "parallelism.dp_shard_size": "dp_shard",
-    "parallelism.cp_size": "cp",
-    "parallelism.tp_size": "tp",
-}
-
-DEVICE_CHOICES = {
-    "cuda": "cuda  NVIDIA GPUs, NCCL",
-    "cpu": "cpu   CPU processes, gloo (to try CP out on a laptop or in CI)",
-}
-STRATEGY_CHOICES = {
-    "allgather": "allgather  gather all K/V once: fewest messages, more memory",
-    "alltoall": "alltoall   ring rotation of K/V blocks: overlaps with compute, constant memory",
-}
-PRECISION_CHOICES = {
-    "auto": "auto  bf16 on cuda, no on cpu",
-    "bf16": "bf16  bfloat16 compute (Ampere or newer GPUs)",
-    "fp16": "fp16  float16 compute (older GPUs)",
-    "no": "no    full fp32",
-}
 
 Answers = dict[str, Any]  # key path -> typed value, only the keys known so far
 
@@ -59,95 +39,46 @@ Answers = dict[str, Any]  # key path -> typed value, only the keys known so far
 # ----------------------------------------------------------------------------- rules
 
 
-def _device(answers: Answers, machine: prof.Machine) -> str | None:
-    device = answers.get("launch.device")
-    if device == prof.AUTO:
-        return "cuda" if machine.cuda_devices > 0 else "cpu"
-    return device
+def _filled(answers: Answers, machine: Machine) -> tuple[Answers, Machine]:
+    """The answers with `auto` resolved as on this machine, and the machine to check against:
+    a cuda profile written where no GPU is visible is for another machine, with the GPUs it asks."""
+    if answers.get("launch.device") == "cuda" and machine.cuda_devices == 0:
+        nproc = answers.get("launch.nproc_per_node")
+        machine = Machine(cuda_devices=nproc if isinstance(nproc, int) else 0)
+    return fill_auto(answers, machine=machine)[0], machine
 
 
-def _nproc(answers: Answers, machine: prof.Machine) -> int | None:
-    """nproc_per_node as a number, `auto` resolved on this machine; None while unknown."""
-    nproc = answers.get("launch.nproc_per_node")
-    if nproc != prof.AUTO:
-        return nproc
-    device = _device(answers, machine)
-    if device is None:
-        return None
-    return machine.cuda_devices if device == "cuda" else prof.CPU_DEFAULT_NPROC
+def cross_check(answers: Answers, *, machine: Machine) -> str | None:
+    """The first profile rule the answers known so far already break, as a message; else None.
 
-
-def _world(answers: Answers, machine: prof.Machine) -> int | None:
-    nproc, nnodes = _nproc(answers, machine), answers.get("launch.nnodes")
-    return nnodes * nproc if nproc and nnodes else None
-
-
-def cross_check(answers: Answers, *, machine: prof.Machine) -> str | None:
-    """The first cross-key rule the answers known so far already break, as a message; else None.
-
-    Unknown keys may still take any value, so a rule is only applied once all of its keys are
-    known (the size product: once the world and some sizes are known, their product must
-    divide the world; once all four are known, it must equal it).
+    The wizard and `resolve` share the rules (config.rules), so a mistake reads the same in
+    `cpctl config` as in `cpctl launch`; a rule waits until all of its keys are answered.
     """
-    device, nnodes = _device(answers, machine), answers.get("launch.nnodes")
-    nproc = answers.get("launch.nproc_per_node")
-    if device == "cuda" and nproc == prof.AUTO and machine.cuda_devices == 0:
-        return "nproc_per_node auto counts visible GPUs and none is visible here; enter the GPUs per machine"
-    if device == "cuda" and machine.cuda_devices > 0 and isinstance(nproc, int) and nproc > machine.cuda_devices:
-        return f"{nproc} processes per machine but {machine.cuda_devices} GPUs visible; use {machine.cuda_devices} or fewer (or device cpu)"
-
-    known = {name: answers[path] for path, name in AXES.items() if answers.get(path, prof.AUTO) != prof.AUTO}
-    product = 1
-    for size in known.values():
-        product *= size
-    factors = " * ".join(f"{name}({size})" for name, size in known.items())
-    world = _world(answers, machine)
-    if world is not None and known:
-        where = f"world size {world} (nnodes {nnodes} x nproc_per_node {_nproc(answers, machine)})"
-        if len(known) == len(AXES) and product != world:
-            others = product // known["dp_shard"]
-            fix = f"; dp_shard {world // others} fits" if world % others == 0 else ""
-            return f"{factors} = {product} != {where}{fix}"
-        if world % product:
-            return f"{factors} = {product} does not divide {where}"
-    elif len(known) == len(AXES) and nnodes and product % nnodes:
-        return f"{factors} = {product} cannot be split over nnodes {nnodes} machines"
-
-    cp = answers.get("parallelism.cp_size", 1)
-    if cp > 1 and answers.get("fsdp.version", 2) != 2:
-        return f"cp_size {cp} needs fsdp.version 2 (set to {answers['fsdp.version']}); use cp_size 1 or FSDP2"
-    if cp > 1 and answers.get("attention", "sdpa") != "sdpa":
-        return f"cp_size {cp} needs attention sdpa (set to {answers['attention']}); use cp_size 1 or sdpa"
-    node_rank = answers.get("launch.node_rank")
-    if nnodes is not None and node_rank is not None and node_rank >= nnodes:
-        return f"node_rank {node_rank} must be below nnodes ({nnodes}): 0..{nnodes - 1}"
-    if nnodes and nnodes > 1 and "launch.rdzv_endpoint" in answers and answers["launch.rdzv_endpoint"] is None:
-        return (f"{nnodes} machines need a rendezvous endpoint (--rdzv-endpoint): "
-                "host:port of the node_rank-0 machine, e.g. node0:29500")
-    return None
+    filled, target = _filled(answers, machine)
+    return first_problem(filled, machine=target)
 
 
-def check_value(path: str, value: Any, *, answers: Answers, machine: prof.Machine) -> str | None:
+def check_value(path: str, value: Any, *, answers: Answers, machine: Machine) -> str | None:
     """Why `value` cannot be the answer for `path` given the other answers; None if it can."""
-    spec = prof.FIELDS[path]
+    spec = KEYS[path]
     if not spec.check(value):
         return f"{value!r} is not allowed for {spec.leaf}; expected {spec.allowed}"
     return cross_check({**answers, path: value}, machine=machine)
 
 
-def parse_answer(path: str, text: str, *, answers: Answers, machine: prof.Machine) -> tuple[Any, str | None]:
+def parse_answer(path: str, text: str, *, answers: Answers, machine: Machine) -> tuple[Any, str | None]:
     """A typed answer from typed-in text, and the reason it is refused (None if accepted)."""
-    spec = prof.FIELDS[path]
+    spec = KEYS[path]
     try:
-        value = spec.parse_text(text)
+        value = spec.spec.kind.parse(text)
     except ValueError:
         what = "an empty answer" if not text.strip() else repr(text)
         return None, f"{what} is not allowed for {spec.leaf}; expected {spec.allowed}"
     return value, check_value(path, value, answers=answers, machine=machine)
 
 
-def _first_fitting(path: str, candidates: list[Any], *, answers: Answers, machine: prof.Machine) -> Any:
-    """The first candidate the rules accept (else the first: its error is then shown)."""
+def _first_fitting(path: str, candidates: list[Any], *, answers: Answers, machine: Machine) -> Any:
+    """The first candidate the rules accept (else the first: the final check then says why)."""
     for value in candidates:
         if check_value(path, value, answers=answers, machine=machine) is None:
             return value
@@ -160,7 +91,7 @@ def _first_fitting(path: str, candidates: list[Any], *, answers: Answers, machin
 class _Asker:
     """Asks one key at a time: skips flagged keys, takes defaults when not interactive."""
 
-    def __init__(self, *, answers: Answers, machine: prof.Machine, interactive: bool):
+    def __init__(self, *, answers: Answers, machine: Machine, interactive: bool):
         self.answers = answers
         self.machine = machine
         self.interactive = interactive
@@ -170,9 +101,10 @@ class _Asker:
 
             self.q = questionary
 
-    def text(self, path: str, message: str, *, default: Any, missing: str | None = None) -> None:
-        if self._settled(path, default, missing):
+    def text(self, path: str, hint: str = "", *, default: Any) -> None:
+        if self._settled(path, default):
             return
+        message = KEYS[path].spec.prompt + (f" ({hint})" if hint else "")
 
         def validate(text: str) -> bool | str:
             return parse_answer(path, text, answers=self.answers, machine=self.machine)[1] or True
@@ -181,9 +113,10 @@ class _Asker:
         text = self.q.text(message, default=shown, validate=validate).unsafe_ask()
         self.answers[path] = parse_answer(path, text, answers=self.answers, machine=self.machine)[0]
 
-    def select(self, path: str, message: str, *, choices: Mapping[Any, str], default: Any) -> None:
+    def select(self, path: str, *, default: Any, extra: Mapping[Any, str] | None = None) -> None:
         if self._settled(path, default):
             return
+        message, choices = KEYS[path].spec.prompt, {**(extra or {}), **KEYS[path].spec.choices}
         # A select cannot re-ask: it offers only the choices the answers so far allow.
         allowed = [value for value in choices
                    if check_value(path, value, answers=self.answers, machine=self.machine) is None] or list(choices)
@@ -191,78 +124,85 @@ class _Asker:
         default = default if default in allowed else allowed[0]
         self.answers[path] = self.q.select(message, choices=options, default=default).unsafe_ask()
 
-    def confirm(self, path: str, message: str, *, default: bool) -> None:
+    def confirm(self, path: str, *, default: bool) -> None:
         if self._settled(path, default):
             return
-        self.answers[path] = self.q.confirm(message, default=default).unsafe_ask()
+        self.answers[path] = self.q.confirm(KEYS[path].spec.prompt, default=default).unsafe_ask()
 
-    def _settled(self, path: str, default: Any, missing: str | None = None) -> bool:
-        """True when `path` needs no question: given as a flag, or taken from its default."""
+    def ask(self, path: str) -> None:
+        """A key with no question of its own in the order below: by its kind, from its declaration."""
+        spec = KEYS[path].spec
+        if spec.choices:
+            self.select(path, default=spec.default)
+        elif isinstance(spec.default, bool):
+            self.confirm(path, default=spec.default)
+        else:
+            self.text(path, default=spec.default)
+
+    def _settled(self, path: str, default: Any) -> bool:
+        """True when `path` needs no question: given as a flag, or (not interactive) its default.
+
+        Without questions, defaults are taken as they are; the whole is checked at the end, so
+        a conflict is blamed on the flags that cause it, not on a default asked first.
+        """
         if path in self.answers:
             return True
         if self.interactive:
             return False
-        error = check_value(path, default, answers=self.answers, machine=self.machine)
-        if error is not None:
-            if default is None and missing:
-                raise CpctlError(f"{path}: {missing}")
-            flag = prof.FIELDS[path].flag
-            hint = "" if flag in error else f"; pass {flag} or change the other flags"
-            raise CpctlError(f"{path} (default {_shown(default)}): {error}{hint}")
         self.answers[path] = default
         return True
 
 
 def _ask_all(ask: _Asker) -> None:
-    """The questions, in the order of SPEC section 2; each default fits the answers before it."""
+    """The questions, in the order the command documents; each default fits the answers before it.
+
+    Keys declared with a question but not placed here are asked last, by their kind, so a new
+    key reaches the wizard with its declaration alone.
+    """
     answers, machine = ask.answers, ask.machine
     here = f"cuda here, {machine.cuda_devices} GPUs visible" if machine.cuda_devices else "cpu here, no GPU visible"
-    ask.select("launch.device", "Device", default=prof.AUTO,
-               choices={prof.AUTO: f"auto  cuda if a GPU is visible ({here})", **DEVICE_CHOICES})
+    ask.select("launch.device", default=AUTO, extra={AUTO: f"auto  cuda if a GPU is visible ({here})"})
 
-    ask.text("launch.nnodes", "Machines (nnodes)", default=1)
+    ask.text("launch.nnodes", default=1)
     if answers["launch.nnodes"] > 1:
-        ask.text("launch.node_rank", "This machine's node_rank (0 on the machine that hosts the rendezvous)", default=0)
-        ask.text("launch.rdzv_endpoint", "Rendezvous endpoint, host:port of the node_rank-0 machine",
-                 default=None)
+        ask.text("launch.node_rank", default=0)
+        ask.text("launch.rdzv_endpoint", default=None)
 
-    device = _device(answers, machine)
+    device = _filled(answers, machine)[0]["launch.device"]
     if device == "cuda" and machine.cuda_devices == 0:
-        nproc_candidates: list[Any] = []  # a profile for another machine: no count to guess
+        nproc_candidates: list[Any] = [AUTO]  # a profile for another machine: no count to guess
         hint = "GPUs per machine; none visible here"
     elif device == "cuda":
         nproc_candidates = list(range(machine.cuda_devices, 0, -1))
         hint = f"auto = {machine.cuda_devices} visible GPUs"
     else:
-        nproc_candidates = [prof.CPU_DEFAULT_NPROC, *range(prof.CPU_DEFAULT_NPROC + 1, 65), 1]
-        hint = f"auto = {prof.CPU_DEFAULT_NPROC} on cpu"
-    ask.text("launch.nproc_per_node", f"Processes per machine (nproc_per_node; {hint})",
-             default=_first_fitting("launch.nproc_per_node", nproc_candidates, answers=answers, machine=machine),
-             missing="no GPU is visible here to count; pass --nproc-per-node N (GPUs per machine)")
+        nproc_candidates = [config.CPU_DEFAULT_NPROC, *range(config.CPU_DEFAULT_NPROC + 1, 65), 1]
+        hint = f"auto = {config.CPU_DEFAULT_NPROC} on cpu"
+    ask.text("launch.nproc_per_node", hint,
+             default=_first_fitting("launch.nproc_per_node", nproc_candidates, answers=answers, machine=machine))
 
-    world = _world(answers, machine)
-    nproc = _nproc(answers, machine)
+    filled = _filled(answers, machine)[0]
+    world, nproc = world_size(filled), filled["launch.nproc_per_node"]
     # CP inside one machine by default: the largest size that fits, as the shipped cp8 profiles.
-    ask.text("parallelism.cp_size", f"CP size: ranks that split each sequence (world size {world})",
-             default=_first_fitting("parallelism.cp_size", list(range(nproc, 0, -1)), answers=answers, machine=machine))
-    ask.text("parallelism.tp_size", "TP size: tensor-parallel ranks", default=1)
-    ask.text("parallelism.dp_replicate_size", "DP replicate size: HSDP replicas (full copies of the sharded model)",
-             default=1)
-    others = 1
-    for path in ("parallelism.dp_replicate_size", "parallelism.cp_size", "parallelism.tp_size"):
-        others *= answers[path]
-    ask.text("parallelism.dp_shard_size",
-             f"DP shard size: FSDP shards (world {world} / (dp_replicate * cp * tp) = {world // others})",
-             default=world // others)
+    cp_candidates = list(range(nproc, 0, -1)) if isinstance(nproc, int) else [1]
+    ask.text("parallelism.cp_size", f"world size {world}",
+             default=_first_fitting("parallelism.cp_size", cp_candidates, answers=answers, machine=machine))
+    ask.text("parallelism.tp_size", default=1)
+    ask.text("parallelism.dp_replicate_size", default=1)
+    others = answers["parallelism.dp_replicate_size"] * answers["parallelism.cp_size"] * answers["parallelism.tp_size"]
+    shards = world // others if world and world % others == 0 else AUTO
+    ask.text("parallelism.dp_shard_size", f"world {world} / (dp_replicate * cp * tp) = {shards}", default=shards)
 
     if answers["parallelism.cp_size"] > 1:  # meaningless without CP: not asked, not written
-        ask.select("parallelism.cp_comm_strategy", "CP comm strategy: how K/V move between CP ranks",
-                   choices=STRATEGY_CHOICES, default="allgather")
-        ask.confirm("parallelism.cp_load_balance",
-                    "Load balance: head-tail sharding so causal attention work is even per rank?", default=True)
-    ask.select("fsdp.mixed_precision", "Mixed precision", choices=PRECISION_CHOICES, default=prof.AUTO)
-    ask.confirm("fsdp.activation_checkpointing",
-                "Activation checkpointing: recompute block activations in backward to save memory?", default=False)
+        ask.select("parallelism.cp_comm_strategy", default="allgather")
+        ask.confirm("parallelism.cp_load_balance", default=True)
+    ask.select("fsdp.mixed_precision", default=AUTO)
+    ask.confirm("fsdp.activation_checkpointing", default=False)
+    placed = set(answers) | {"launch.node_rank", "launch.rdzv_endpoint", "parallelism.cp_comm_strategy",
+                             "parallelism.cp_load_balance"}
+    for path, spec in KEYS.items():
+        if spec.spec.prompt and path not in placed:
+            ask.ask(path)
 
 
 # ----------------------------------------------------------------------------- output
@@ -270,32 +210,33 @@ def _ask_all(ask: _Asker) -> None:
 
 def profile_yaml(answers: Answers, *, output: Path) -> str:
     """The profile file: a header comment, then the answered keys in schema order."""
-    tree: dict[str, Any] = {"version": prof.PROFILE_VERSION}
-    for path in prof.FIELDS:
-        if path in answers and path != "version":
-            section, _, key = path.rpartition(".")
-            (tree.setdefault(section, {}) if section else tree)[key] = answers[path]
+    tree = config.to_tree({"version": config.PROFILE_VERSION, **answers})
     header = (
         "# cpctl profile written by `cpctl config`; check it with `cpctl check --config FILE`.\n"
         f"# Launch: {launch_command(output)}\n"
     )
-    return header + prof.to_yaml(tree)
+    return header + config.to_yaml(tree)
 
 
 def launch_command(output: Path) -> str:
     return f"cpctl launch --config {shlex.quote(str(output))} your_script.py"
 
 
-def _validated(text: str, *, answers: Answers, machine: prof.Machine) -> prof.Resolved:
-    """Resolve exactly `text` as a profile, apart from any env var or other profile file."""
-    if _device(answers, machine) == "cuda" and machine.cuda_devices == 0:
-        # Written for another machine (e.g. from a login node): check it against that one.
-        machine = prof.Machine(cuda_devices=_nproc(answers, machine) or 0)
+def _validated(text: str, *, answers: Answers, machine: Machine, given: Mapping[str, str]) -> config.Resolved:
+    """Resolve exactly `text` as a profile, apart from any env var or other profile file.
+    A problem names the flags given, since without questions they are what decided it."""
+    machine = _filled(answers, machine)[1]  # a cuda profile written away from its GPUs: checked as on them
     with tempfile.TemporaryDirectory(prefix="cpctl-config-") as empty:
         candidate = Path(empty) / "candidate.yaml"
         candidate.write_text(text, encoding="utf-8")
         isolated = {"XDG_CONFIG_HOME": empty, "HOME": empty}
-        return prof.resolve(config=candidate, environ=isolated, cwd=empty, machine=machine)
+        try:
+            return config.resolve(config=candidate, environ=isolated, cwd=empty, machine=machine)
+        except CpctlError as exc:
+            if not given:
+                raise
+            flags = " ".join(f"{KEYS[p].flag} {t}" for p, t in given.items())
+            raise CpctlError(f"flags {flags}: {exc}") from None
 
 
 def _write(output: Path, text: str) -> None:
@@ -328,11 +269,11 @@ def _shown(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
-def summary_table(answers: Answers, resolved: prof.Resolved, *, output: Path) -> Table:
+def summary_table(answers: Answers, resolved: config.Resolved, *, output: Path) -> Table:
     table = Table(title=f"cpctl profile: {output}", title_justify="left")
     table.add_column("key", style="cyan")
     table.add_column("value")
-    for path in prof.FIELDS:
+    for path in KEYS:
         if path in answers and path != "version":
             value, final = answers[path], resolved.profile.get(path)
             table.add_row(path, _shown(value) + (f" (here: {_shown(final)})" if value != final else ""))
@@ -342,17 +283,14 @@ def summary_table(answers: Answers, resolved: prof.Resolved, *, output: Path) ->
 # ----------------------------------------------------------------------------- entry point
 
 
-def _flag_answers(flags: Mapping[str, str], machine: prof.Machine) -> Answers:
-    unknown = [path for path in flags if path not in prof.FIELDS]
+def _flag_answers(flags: Mapping[str, str], machine: Machine) -> Answers:
+    unknown = [path for path in flags if path not in KEYS]
     if unknown:
         raise CpctlError(f"{unknown[0]}: unknown profile key")
-    tree, _ = prof.text_layer(flags, source_of=lambda spec: f"flag {spec.flag}")
-    answers = {f"{key}.{sub}": value for key, section in tree.items() if isinstance(section, dict)
-               for sub, value in section.items()}
-    answers.update({key: value for key, value in tree.items() if not isinstance(value, dict)})
+    answers = dict(config.layers.flag_layer(flags).values)
     error = cross_check(answers, machine=machine)
     if error is not None:
-        given = " ".join(f"{prof.FIELDS[p].flag} {t}" for p, t in flags.items())
+        given = " ".join(f"{KEYS[p].flag} {t}" for p, t in flags.items())
         raise CpctlError(f"flags {given}: {error}")
     return answers
 
@@ -364,7 +302,7 @@ def run_config(
     flags: dict[str, str],
     console: Console,
     interactive: bool | None = None,
-    machine: prof.Machine | None = None,
+    machine: Machine | None = None,
 ) -> int:
     """`cpctl config`: ask (or take defaults and flags), validate, write `output`, summarise.
 
@@ -373,7 +311,7 @@ def run_config(
     `interactive` defaults to "stdin is a terminal"; `machine` to the GPUs visible here.
     """
     output = Path(output)
-    machine = prof.detect_machine() if machine is None else machine
+    machine = config.detect_machine() if machine is None else machine
     interactive = (sys.stdin.isatty() if interactive is None else interactive) and not assume_yes
     answers = _flag_answers(flags, machine)
     if output.is_dir():
@@ -399,7 +337,7 @@ def run_config(
         return EXIT_ABORTED
 
     text = profile_yaml(answers, output=output)
-    resolved = _validated(text, answers=answers, machine=machine)
+    resolved = _validated(text, answers=answers, machine=machine, given=flags if not interactive else {})
     _write(output, text)
     console.print(summary_table(answers, resolved, output=output))
     console.print(Text(f"Wrote {output}. Launch with:"))

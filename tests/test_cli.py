@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 
 from cpctl import __version__, envinfo
 from cpctl.cli import PROFILE_FLAGS, app
-from cpctl.profile import PROFILE_ENV_VAR
+from cpctl.config import PROFILE_ENV_VAR
 
 REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
@@ -397,7 +397,7 @@ def test_check_passes_on_a_cpu_profile(script: Path) -> None:
 
 def test_check_fails_on_a_bad_profile(script: Path) -> None:
     result = cpctl("check", "--device", "cpu", "--cp-size", "3")
-    assert_one_line_error(result, "not divisible by dp_replicate(1) * cp(3) * tp(1) = 3")
+    assert_one_line_error(result, "dp_replicate(1) * cp(3) * tp(1) = 3 does not divide world size 2")
     assert "FAIL" in result.stdout and "skipped (invalid profile)" in result.stdout
 
 

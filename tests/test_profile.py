@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cpctl import profile as P
+from cpctl import config as P
 from cpctl.errors import CpctlError
 
 CPU = P.Machine(cuda_devices=0)
@@ -140,7 +140,7 @@ def test_profile_name_lookup_prefers_local_configs(tmp_path: Path) -> None:
 def test_shipped_profiles_are_found_anywhere(tmp_path: Path) -> None:
     resolved = resolve(tmp_path, profile_name="cpu-try")  # tmp_path has no configs/
     assert resolved.profile.parallelism.cp_size == 2
-    assert resolved.files[0].parent == P.installed_profiles_dir()
+    assert resolved.files[0].parent == P.layers.installed_profiles_dir()
 
 
 def test_config_and_profile_together(tmp_path: Path) -> None:
@@ -286,7 +286,7 @@ def test_without_slurm_job_id_slurm_variables_are_ignored(tmp_path: Path) -> Non
     [("node7", "node7"), ("gpu[003-010,012]", "gpu003"), ("gpu[12,14]", "gpu12"), ("a1,b2", "a1")],
 )
 def test_first_slurm_host(nodelist: str, host: str) -> None:
-    assert P.first_slurm_host(nodelist) == host
+    assert P.layers.first_slurm_host(nodelist) == host
 
 
 # ----------------------------------------------------------------------------- what workers get
@@ -295,9 +295,60 @@ def test_first_slurm_host(nodelist: str, host: str) -> None:
 def test_the_profile_survives_the_trip_to_the_workers(tmp_path: Path) -> None:
     resolved = resolve(tmp_path, flags={"parallelism.cp_size": "2", "parallelism.cp_comm_strategy": "alltoall"})
     sent = json.dumps(resolved.profile.to_dict())
-    assert P.from_dict(json.loads(sent)) == resolved.profile
+    assert P.Profile.from_tree(json.loads(sent)) == resolved.profile
 
 
 def test_merge_layers_keeps_auto(tmp_path: Path) -> None:
     values, sources, files = P.merge_layers(flags={"launch.device": "cuda"}, environ={}, cwd=tmp_path)
     assert values == {"launch.device": "cuda"} and sources == {"launch.device": "flag --device"} and files == ()
+
+
+# ----------------------------------------------------------------------------- one declaration per key
+
+
+def test_init_overrides_use_flag_names_and_refuse_ambiguous_ones() -> None:
+    layer = P.layers.overrides_layer({"cp_size": 2, "fsdp_version": 1, "cp_load_balance": "false"})
+    assert layer.values == {"parallelism.cp_size": 2, "fsdp.version": 1, "parallelism.cp_load_balance": False}
+    assert layer.sources["fsdp.version"] == "cpctl.init(fsdp_version=...)"
+    # `version` is the profile format's, never fsdp.version by its last name
+    with pytest.raises(CpctlError, match=r"cpctl.init\(version=...\): unknown profile key; did you mean"):
+        P.layers.overrides_layer({"version": 2})
+
+
+def test_a_key_declared_once_reaches_flags_env_wizard_and_dry_run(tmp_path: Path) -> None:
+    """Add one field to a copy of the schema: the CLI, the variables, the wizard and the dry run see it."""
+    import shutil
+    import subprocess
+    import sys
+
+    from launching import REPO, launch_env
+
+    shutil.copytree(REPO / "cpctl", tmp_path / "cpctl", ignore=shutil.ignore_patterns("__pycache__"))
+    schema = tmp_path / "cpctl" / "config" / "schema.py"
+    anchor = "    activation_checkpointing: bool = key("
+    added = ('    loss_chunk_tokens: int = key(integer(minimum=1), 4096, "tokens per chunk of the loss", '
+             'prompt="Loss chunk tokens")\n')
+    assert anchor in schema.read_text()
+    schema.write_text(schema.read_text().replace(anchor, added + anchor, 1))
+    (tmp_path / "train.py").write_text("print('hi')\n")
+    env = launch_env(tmp_path) | {"PYTHONPATH": str(tmp_path)}
+
+    def cpctl(*args: str, **extra_env: str) -> str:
+        done = subprocess.run([sys.executable, "-m", "cpctl.cli", *args], cwd=tmp_path, env=env | extra_env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
+
+    def row(dry_run: str) -> list[str]:
+        rows = [[cell.strip() for cell in line.split("│")] for line in dry_run.splitlines()]
+        return next(cells for cells in rows if cells[0] == "fsdp.loss_chunk_tokens")
+
+    assert "--loss-chunk-tokens" in cpctl("launch", "--help")
+    dry_run = cpctl("launch", "--device", "cpu", "--loss-chunk-tokens", "8", "--dry-run", "train.py")
+    assert row(dry_run) == ["fsdp.loss_chunk_tokens", "8", "flag --loss-chunk-tokens"]
+    dry_run = cpctl("launch", "--device", "cpu", "--dry-run", "train.py", CPCTL_LOSS_CHUNK_TOKENS="16")
+    assert row(dry_run) == ["fsdp.loss_chunk_tokens", "16", "env CPCTL_LOSS_CHUNK_TOKENS"]
+    cpctl("config", "--yes", "--device", "cpu", "--loss-chunk-tokens", "32", "-o", "p.yaml")
+    assert yaml.safe_load((tmp_path / "p.yaml").read_text())["fsdp"]["loss_chunk_tokens"] == 32
+    cpctl("config", "--yes", "--device", "cpu", "-o", "q.yaml")  # the wizard asks it: its default is written
+    assert yaml.safe_load((tmp_path / "q.yaml").read_text())["fsdp"]["loss_chunk_tokens"] == 4096

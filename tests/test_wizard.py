@@ -19,7 +19,7 @@ from prompt_toolkit.input import create_pipe_input
 from prompt_toolkit.output import DummyOutput
 from rich.console import Console
 
-from cpctl import profile as prof
+from cpctl import config as prof
 from cpctl.errors import CpctlError
 from cpctl.wizard import cross_check, run_config
 
@@ -178,10 +178,10 @@ def test_yes_defaults_on_a_gpu_machine_split_each_sequence_over_the_gpus(tmp_pat
 @pytest.mark.parametrize(("flags", "message"), [
     ({"parallelism.cp_size": "x"}, "flag --cp-size: 'x' is not allowed for parallelism.cp_size"),
     ({"parallelism.cp_comm_strategy": "ring"}, "expected allgather or alltoall"),
-    ({"fsdp.version": "1", "parallelism.cp_size": "2"}, "cp_size 2 needs fsdp.version 2"),
-    ({"launch.nproc_per_node": "4", "parallelism.cp_size": "3"}, "cp(3) = 3 does not divide world size 4"),
-    ({"launch.nnodes": "2"}, "2 machines need a rendezvous endpoint (--rdzv-endpoint)"),
-    ({"launch.device": "cuda"}, "pass --nproc-per-node N"),
+    ({"fsdp.version": "1", "parallelism.cp_size": "2"}, "fsdp.version: 1 with cp_size 2; context parallelism needs fsdp.version: 2"),
+    ({"launch.nproc_per_node": "4", "parallelism.cp_size": "3"}, "cp(3) * tp(1) = 3 does not divide world size 4"),
+    ({"launch.nnodes": "2"}, "2 machines need a rendezvous; pass --rdzv-endpoint HOST:PORT"),
+    ({"launch.device": "cuda"}, "pass --nproc-per-node"),
 ])
 def test_yes_with_bad_flags_raises_and_writes_nothing(tmp_path, flags, message):
     out = tmp_path / "p.yaml"
@@ -189,6 +189,18 @@ def test_yes_with_bad_flags_raises_and_writes_nothing(tmp_path, flags, message):
         run_yes(output=out, flags=flags)
     assert message in str(info.value)
     assert not out.exists()
+
+
+def test_a_mistake_reads_the_same_from_config_and_launch(tmp_path):
+    # one list of rules: `config --yes` and `launch`/`check` say the same, and blame what was set
+    flags = {"launch.nproc_per_node": "2", "parallelism.cp_size": "3"}
+    with pytest.raises(CpctlError) as from_config:
+        run_yes(output=tmp_path / "p.yaml", flags=flags)
+    with pytest.raises(CpctlError) as from_launch:
+        prof.resolve(flags=flags, environ={}, cwd=tmp_path, machine=CPU)
+    expected = "dp_replicate(1) * cp(3) * tp(1) = 3 does not divide world size 2 (nnodes 1 x nproc_per_node 2)"
+    assert expected in str(from_config.value) and expected in str(from_launch.value)
+    assert "launch.nnodes" not in str(from_config.value)  # never set by the user: not blamed
 
 
 def test_yes_never_overwrites(tmp_path):
@@ -212,7 +224,7 @@ def test_cross_check_names_every_factor():
                "parallelism.cp_size": 2, "parallelism.tp_size": 1}
     assert cross_check(answers, machine=CPU) == (
         "dp_replicate(1) * dp_shard(2) * cp(2) * tp(1) = 4 != world size 8 (nnodes 1 x nproc_per_node 8); "
-        "dp_shard 4 fits")
+        "set dp_shard_size: 4 (or auto)")
     assert cross_check({**answers, "parallelism.dp_shard_size": 4}, machine=CPU) is None
     assert cross_check({**answers, "parallelism.dp_shard_size": "auto"}, machine=CPU) is None
 
@@ -278,7 +290,7 @@ def test_cli_config_without_a_tty_takes_defaults_and_refuses_bad_flags(tmp_path,
     again = runner.invoke(app, ["config", "--output", str(out)])
     assert again.exit_code == 2 and "already exists" in again.output
     bad = runner.invoke(app, ["config", "--cp-size", "3", "--nproc-per-node", "4", "--output", str(tmp_path / "y.yaml")])
-    assert bad.exit_code == 2 and "cp(3) = 3 does not divide world size 4" in bad.output
+    assert bad.exit_code == 2 and "cp(3) * tp(1) = 3 does not divide world size 4" in bad.output
     assert "Traceback" not in bad.output and not (tmp_path / "y.yaml").exists()
 
 

@@ -1,0 +1,191 @@
+"""What a profile's values must satisfy together, and what `auto` becomes on a machine.
+
+One list of rules, each naming the keys it reads. `check` runs every rule whose keys are all
+known: `resolve` on a whole profile, the wizard on the answers given so far, `check --static`
+against the machine a profile is written for. A mistake therefore gets one message, wherever
+it is made.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cpctl.config.schema import AUTO, CPU_DEFAULT_NPROC, Flat
+
+STATIC_GPUS_PER_NODE = 8  # the node a cuda profile with nproc_per_node auto is checked against, away from it
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What `auto` values resolve against. Filled without importing torch."""
+
+    cuda_devices: int
+
+
+def detect_machine(environ: Mapping[str, str] | None = None) -> Machine:
+    """Count visible NVIDIA GPUs without importing torch (CUDA_VISIBLE_DEVICES, then the driver)."""
+    environ = os.environ if environ is None else environ
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        ids = [part for part in visible.split(",") if part.strip() and part.strip() != "-1"]
+        return Machine(cuda_devices=len(ids))
+    gpus = Path("/proc/driver/nvidia/gpus")
+    return Machine(cuda_devices=len(list(gpus.iterdir())) if gpus.is_dir() else 0)
+
+
+def target_machine(values: Mapping[str, Any], *, detected: Machine) -> tuple[Machine, str]:
+    """The machine a profile is written for: a cuda profile gets as many GPUs as it asks per
+    node, whatever this machine has (how `check --static` validates it on a CPU box)."""
+    device = values.get("launch.device", AUTO)
+    nproc = values.get("launch.nproc_per_node", AUTO)
+    if device == "cpu":
+        return Machine(cuda_devices=0), "a CPU machine"
+    if device == "cuda":
+        gpus = nproc if isinstance(nproc, int) else (detected.cuda_devices or STATIC_GPUS_PER_NODE)
+        why = "as the profile asks" if isinstance(nproc, int) else "nproc_per_node auto"
+        return Machine(cuda_devices=gpus), f"a node with {gpus} GPUs ({why})"
+    return detected, f"this machine ({detected.cuda_devices} GPUs visible; device auto)"
+
+
+# ----------------------------------------------------------------------------- auto
+
+
+def fill_auto(values: Mapping[str, Any], *, machine: Machine) -> tuple[Flat, dict[str, str]]:
+    """Every `auto` among `values` that the known values decide, and why; others stay `auto`
+    (the rules then say what is wrong)."""
+    filled, why = dict(values), {}
+    device = filled.get("launch.device")
+    if device == AUTO:
+        device = filled["launch.device"] = "cuda" if machine.cuda_devices > 0 else "cpu"
+        why["launch.device"] = f"auto ({machine.cuda_devices} GPUs visible)"
+    if filled.get("launch.nproc_per_node") == AUTO and device in ("cuda", "cpu"):
+        count = machine.cuda_devices if device == "cuda" else CPU_DEFAULT_NPROC
+        if count > 0:
+            filled["launch.nproc_per_node"] = count
+            why["launch.nproc_per_node"] = "auto (visible GPUs)" if device == "cuda" else f"auto ({count} on cpu)"
+    sizes = [filled.get(f"parallelism.{name}") for name in ("dp_replicate_size", "cp_size", "tp_size")]
+    world = world_size(filled)
+    if filled.get("parallelism.dp_shard_size") == AUTO and world and all(isinstance(s, int) for s in sizes):
+        others = sizes[0] * sizes[1] * sizes[2]
+        if world % others == 0:
+            filled["parallelism.dp_shard_size"] = world // others
+            why["parallelism.dp_shard_size"] = f"auto (world {world} / {others})"
+    if filled.get("fsdp.mixed_precision") == AUTO and device in ("cuda", "cpu"):
+        filled["fsdp.mixed_precision"] = "bf16" if device == "cuda" else "no"
+        why["fsdp.mixed_precision"] = f"auto ({device})"
+    return filled, why
+
+
+def world_size(values: Mapping[str, Any]) -> int | None:
+    nnodes, nproc = values.get("launch.nnodes"), values.get("launch.nproc_per_node")
+    return nnodes * nproc if isinstance(nnodes, int) and isinstance(nproc, int) else None
+
+
+# ----------------------------------------------------------------------------- rules
+
+AXES = {"parallelism.dp_replicate_size": "dp_replicate", "parallelism.dp_shard_size": "dp_shard",
+        "parallelism.cp_size": "cp", "parallelism.tp_size": "tp"}
+
+
+@dataclass(frozen=True)
+class Rule:
+    keys: tuple[str, ...]  # applied once all of these are known
+    problem: Callable[[Mapping[str, Any], Machine | None], str | None]
+    needs_machine: bool = False
+
+
+def _sizes_fit_world(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    world = world_size(v)
+    if world is None:  # nproc_per_node auto with nothing to count
+        return None
+    # sizes not known yet (the wizard mid-way) or auto: the known ones must divide the world
+    known = {name: v[path] for path, name in AXES.items() if v.get(path, AUTO) != AUTO}
+    product = 1
+    for size in known.values():
+        product *= size
+    factors = " * ".join(f"{name}({size})" for name, size in known.items())
+    where = f"world size {world} (nnodes {v['launch.nnodes']} x nproc_per_node {v['launch.nproc_per_node']})"
+    if len(known) < len(AXES):
+        if world % product:
+            return (f"{factors} = {product} does not divide {where}; choose sizes whose product divides {world} "
+                    "or change --nproc-per-node/--nnodes")
+        return None
+    if product != world:
+        others = product // known["dp_shard"]
+        fix = (f"set dp_shard_size: {world // others} (or auto)" if world % others == 0
+               else "change the sizes or --nproc-per-node/--nnodes so that they multiply to the world size")
+        return f"{factors} = {product} != {where}; {fix}"
+    return None
+
+
+def _nproc_counts_gpus(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    if v["launch.device"] == "cuda" and v["launch.nproc_per_node"] == AUTO:
+        return ("launch.device is cuda but no GPU is visible; use --device cpu or check CUDA_VISIBLE_DEVICES "
+                "(for a profile meant for another machine, pass --nproc-per-node: its GPUs per machine)")
+    return None
+
+
+def _gpus_visible(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    if machine is None or v["launch.device"] != "cuda":
+        return None
+    if machine.cuda_devices == 0:
+        return "launch.device is cuda but no GPU is visible; use --device cpu or check CUDA_VISIBLE_DEVICES"
+    nproc = v["launch.nproc_per_node"]
+    if isinstance(nproc, int) and nproc > machine.cuda_devices:
+        return (f"launch.nproc_per_node: {nproc} workers but {machine.cuda_devices} GPUs visible; "
+                f"use --nproc-per-node {machine.cuda_devices} or fewer (or --device cpu)")
+    return None
+
+
+def _cp_needs_fsdp2(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    cp, version = v["parallelism.cp_size"], v["fsdp.version"]
+    if cp > 1 and version != 2:
+        return f"fsdp.version: {version} with cp_size {cp}; context parallelism needs fsdp.version: 2"
+    return None
+
+
+def _cp_needs_sdpa(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    cp, attention = v["parallelism.cp_size"], v["attention"]
+    if cp > 1 and attention != "sdpa":
+        return f"attention: {attention} with cp_size {cp}; context parallelism needs attention: sdpa"
+    return None
+
+
+def _node_rank_in_range(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    rank, nnodes = v["launch.node_rank"], v["launch.nnodes"]
+    if rank >= nnodes:
+        return f"launch.node_rank: {rank} must be below nnodes ({nnodes}): 0..{nnodes - 1}"
+    return None
+
+
+def _nodes_need_rendezvous(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    nnodes = v["launch.nnodes"]
+    if nnodes > 1 and v["launch.rdzv_endpoint"] is None:
+        return (f"launch.nnodes: {nnodes} machines need a rendezvous; pass --rdzv-endpoint HOST:PORT "
+                "(the node-rank-0 host, e.g. node0:29500)")
+    return None
+
+
+RULES = (
+    Rule(("launch.device", "launch.nproc_per_node"), _nproc_counts_gpus),
+    Rule(("launch.device", "launch.nproc_per_node"), _gpus_visible, needs_machine=True),
+    Rule(("launch.nnodes", "launch.nproc_per_node"), _sizes_fit_world),
+    Rule(("parallelism.cp_size", "fsdp.version"), _cp_needs_fsdp2),
+    Rule(("parallelism.cp_size", "attention"), _cp_needs_sdpa),
+    Rule(("launch.node_rank", "launch.nnodes"), _node_rank_in_range),
+    Rule(("launch.nnodes", "launch.rdzv_endpoint"), _nodes_need_rendezvous),
+)
+
+
+def first_problem(values: Mapping[str, Any], *, machine: Machine | None) -> str | None:
+    """The first rule that the known `values` break (rules with an unknown key wait), else None."""
+    for rule in RULES:
+        if all(path in values for path in rule.keys) and (machine is not None or not rule.needs_machine):
+            problem = rule.problem(values, machine)
+            if problem is not None:
+                return problem
+    return None

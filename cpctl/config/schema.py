@@ -1,0 +1,296 @@
+"""Every profile key, declared once.
+
+A key is a field of one of the section dataclasses below, and its `key(...)` metadata says
+how its text parses, which values it allows, its default, its help and the wizard's question.
+Everything else is derived from these declarations: the flat key paths, the `--<key>` flags,
+the `CPCTL_<KEY>` variables, the wizard's questions and the dry run's table. Adding a key is
+one edit here.
+
+The dataclasses hold a *resolved* profile: no `auto` left, plain ints. Unresolved values
+(layers, the wizard's answers) are flat mappings of key path to value until `resolve` builds
+the Profile.
+
+This module never imports torch: `cpctl launch --dry-run` and `cpctl check` stay fast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cpctl.errors import CpctlError
+
+AUTO = "auto"
+PROFILE_VERSION = 1
+STRATEGIES = ("allgather", "alltoall")  # the values of cpctl.attention.spec.Strategy (torch-free here)
+PRECISIONS = ("bf16", "fp16", "no")
+CPU_DEFAULT_NPROC = 2
+
+Flat = dict[str, Any]  # key path ("parallelism.cp_size") -> value
+
+
+# ----------------------------------------------------------------------------- value kinds
+
+
+@dataclass(frozen=True)
+class Kind:
+    """How a key's values are written (text), checked and described."""
+
+    allowed: str
+    check: Callable[[Any], bool]
+    parse: Callable[[str], Any]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(text)
+
+
+def integer(*, minimum: int, auto: bool = False) -> Kind:
+    allowed = f"an integer >= {minimum}" + (" or auto" if auto else "")
+
+    def check(value: Any) -> bool:
+        return (auto and value == AUTO) or (_is_int(value) and value >= minimum)
+
+    def parse(text: str) -> Any:
+        return AUTO if auto and text.strip().lower() == AUTO else int(text)
+
+    return Kind(allowed, check, parse)
+
+
+def one_of(*choices: Any) -> Kind:
+    allowed = " or ".join(map(str, choices)) if len(choices) <= 2 else ", ".join(map(str, choices))
+
+    def parse(text: str) -> Any:
+        stripped = text.strip()
+        return int(stripped) if all(_is_int(c) for c in choices) else stripped
+
+    return Kind(allowed, lambda value: not isinstance(value, bool) and value in choices, parse)
+
+
+SWITCH = Kind("true or false", lambda value: isinstance(value, bool), _parse_bool)
+
+
+def _endpoint(value: Any) -> bool:
+    if value is None:
+        return True
+    match = isinstance(value, str) and re.fullmatch(r"[A-Za-z0-9_.\-\[\]:]+:(\d{1,5})", value)
+    return bool(match) and 1 <= int(match.group(1)) <= 65535
+
+
+ENDPOINT = Kind("host:port (port 1-65535) or null", _endpoint,
+                lambda text: None if text.strip().lower() in ("", "null", "none") else text.strip())
+
+
+# ----------------------------------------------------------------------------- declaring a key
+
+
+@dataclass(frozen=True)
+class Spec:
+    kind: Kind
+    default: Any  # the built-in default; AUTO for keys resolved against the machine
+    help: str
+    prompt: str | None = None  # the wizard's question; None: never asked (default unless given)
+    choices: Mapping[Any, str] | None = None  # a select's options, each with one line of help
+    name: str | None = None  # flag/env/override name when the leaf alone is ambiguous
+
+
+def key(kind: Kind, default: Any, help: str, **options: Any) -> Any:  # noqa: A002 - the field's help text
+    return field(metadata={"cpctl": Spec(kind, default, help, **options)})
+
+
+@dataclass(frozen=True)
+class Parallelism:
+    dp_replicate_size: int = key(integer(minimum=1), 1, "HSDP replicas (full copies of the sharded model)",
+                                 prompt="DP replicate size: HSDP replicas (full copies of the sharded model)")
+    dp_shard_size: int = key(integer(minimum=1, auto=True), AUTO, "FSDP shards; auto = world / (dp_replicate * cp * tp)",
+                             prompt="DP shard size: FSDP shards")
+    cp_size: int = key(integer(minimum=1), 1, "ranks that split each sequence (context parallelism)",
+                       prompt="CP size: ranks that split each sequence")
+    tp_size: int = key(integer(minimum=1), 1, "tensor-parallel ranks", prompt="TP size: tensor-parallel ranks")
+    cp_comm_strategy: str = key(one_of(*STRATEGIES), "allgather", "how K/V move between CP ranks",
+                                prompt="CP comm strategy: how K/V move between CP ranks", choices={
+                                    "allgather": "allgather  gather all K/V once: fewest messages, more memory",
+                                    "alltoall": "alltoall   ring rotation of K/V blocks: overlaps with compute, constant memory",
+                                })
+    cp_load_balance: bool = key(SWITCH, True, "head-tail sharding so causal work is even per rank",
+                                prompt="Load balance: head-tail sharding so causal attention work is even per rank?")
+
+
+@dataclass(frozen=True)
+class Fsdp:
+    version: int = key(one_of(1, 2), 2, "FSDP version (CP needs 2)", name="fsdp_version")
+    reshard_after_forward: bool = key(SWITCH, True, "free gathered parameters after forward")
+    mixed_precision: str = key(one_of(AUTO, *PRECISIONS), AUTO, "parameter dtype for compute",
+                               prompt="Mixed precision", choices={
+                                   "auto": "auto  bf16 on cuda, no on cpu",
+                                   "bf16": "bf16  bfloat16 compute (Ampere or newer GPUs)",
+                                   "fp16": "fp16  float16 compute (older GPUs)",
+                                   "no": "no    full fp32",
+                               })
+    activation_checkpointing: bool = key(SWITCH, False, "recompute block activations in backward",
+                                         prompt="Activation checkpointing: recompute block activations in backward "
+                                                "to save memory?")
+
+
+@dataclass(frozen=True)
+class Launch:
+    device: str = key(one_of(AUTO, "cuda", "cpu"), AUTO, "cuda, cpu, or auto (cuda if a GPU is visible)",
+                      prompt="Device", choices={
+                          "cuda": "cuda  NVIDIA GPUs, NCCL",
+                          "cpu": "cpu   CPU processes, gloo (to try CP out on a laptop or in CI)",
+                      })
+    nnodes: int = key(integer(minimum=1), 1, "machines", prompt="Machines (nnodes)")
+    nproc_per_node: int = key(integer(minimum=1, auto=True), AUTO, "worker processes per machine",
+                              prompt="Processes per machine (nproc_per_node)")
+    node_rank: int = key(integer(minimum=0), 0, "this machine's index among nnodes",
+                         prompt="This machine's node_rank (0 on the machine that hosts the rendezvous)")
+    rdzv_endpoint: str | None = key(ENDPOINT, None, "rendezvous address for several machines",
+                                    prompt="Rendezvous endpoint, host:port of the node_rank-0 machine")
+    max_restarts: int = key(integer(minimum=0), 0, "times the elastic agent restarts failed workers")
+
+
+@dataclass(frozen=True)
+class Profile:
+    version: int = key(one_of(PROFILE_VERSION), PROFILE_VERSION, "profile format version")
+    parallelism: Parallelism
+    fsdp: Fsdp
+    attention: str = key(one_of("sdpa", "eager", "flash_attention_2"), "sdpa", "attention implementation")
+    launch: Launch
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.nnodes * self.launch.nproc_per_node
+
+    def get(self, path: str) -> Any:
+        section, _, name = path.rpartition(".")
+        return getattr(getattr(self, section) if section else self, name)
+
+    def to_flat(self) -> Flat:
+        return {path: self.get(path) for path in KEYS}
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_tree(self.to_flat())
+
+    @classmethod
+    def from_tree(cls, tree: Mapping[str, Any]) -> Profile:
+        return cls.from_flat(flatten(tree))
+
+    @classmethod
+    def from_flat(cls, values: Mapping[str, Any]) -> Profile:
+        """A resolved profile from a complete flat mapping with no `auto` left."""
+        missing = [path for path in KEYS if path not in values]
+        unresolved = [path for path in KEYS if values.get(path) == AUTO]
+        if missing or unresolved:
+            raise ValueError(f"unresolved profile keys: {missing or unresolved}")
+        sections = {name: section(**{k: values[f"{name}.{k}"] for k in _field_names(section)})
+                    for name, section in SECTIONS.items()}
+        return cls(**{path: values[path] for path in KEYS if "." not in path}, **sections)
+
+
+SECTIONS: dict[str, type] = {"parallelism": Parallelism, "fsdp": Fsdp, "launch": Launch}
+
+
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+# ----------------------------------------------------------------------------- the derived view
+
+
+@dataclass(frozen=True)
+class Key:
+    """One key as the rest of cpctl sees it: its path and the names derived from it."""
+
+    path: str
+    spec: Spec
+
+    @property
+    def leaf(self) -> str:
+        return self.path.rpartition(".")[2]
+
+    @property
+    def name(self) -> str:
+        """`cp_size`, `fsdp_version`: for cpctl.init(**overrides), and the base of flag and env names."""
+        return self.spec.name or self.leaf
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return "CPCTL_" + self.name.upper()
+
+    @property
+    def allowed(self) -> str:
+        return self.spec.kind.allowed
+
+    @property
+    def help(self) -> str:
+        return self.spec.help
+
+    @property
+    def default(self) -> Any:
+        return self.spec.default
+
+    def check(self, value: Any) -> bool:
+        return self.spec.kind.check(value)
+
+    def parse(self, text: Any, *, source: str) -> Any:
+        """A checked value from text (a flag, a variable) or an already typed value; errors name `source`."""
+        try:
+            value = self.spec.kind.parse(text) if isinstance(text, str) else text
+        except ValueError:
+            raise CpctlError(f"{source}: {text!r} is not allowed for {self.path}; expected {self.allowed}") from None
+        if not self.check(value):
+            raise CpctlError(f"{source}: {value!r} is not allowed for {self.path}; expected {self.allowed}")
+        return value
+
+
+def _walk(cls: type, prefix: str = "") -> Iterator[Key]:
+    for f in dataclasses.fields(cls):
+        if "cpctl" in f.metadata:
+            yield Key(prefix + f.name, f.metadata["cpctl"])
+        else:
+            yield from _walk(SECTIONS[f.name], f"{f.name}.")
+
+
+KEYS: dict[str, Key] = {k.path: k for k in _walk(Profile)}
+DEFAULTS: Flat = {path: k.default for path, k in KEYS.items()}
+BY_NAME: dict[str, Key] = {k.name: k for k in KEYS.values() if k.path != "version"}
+
+
+# ----------------------------------------------------------------------------- flat <-> nested
+
+
+def to_tree(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Flat key paths -> the nested mapping a YAML profile holds, in schema order."""
+    tree: dict[str, Any] = {}
+    for path in KEYS:
+        if path in values:
+            section, _, name = path.rpartition(".")
+            (tree.setdefault(section, {}) if section else tree)[name] = values[path]
+    return tree
+
+
+def flatten(tree: Mapping[str, Any]) -> Flat:
+    """A nested profile mapping -> flat key paths (sections that are not mappings kept as is)."""
+    flat: Flat = {}
+    for name, value in tree.items():
+        if name in SECTIONS and isinstance(value, Mapping):
+            flat.update({f"{name}.{sub}": v for sub, v in value.items()})
+        else:
+            flat[name] = value
+    return flat
