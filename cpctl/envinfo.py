@@ -14,7 +14,6 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from cpctl.errors import CpctlError
 from cpctl.config import (

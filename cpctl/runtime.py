@@ -14,15 +14,9 @@ process and every parallel size is 1, so the same script runs unchanged.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import datetime
-import gc
-import itertools
 import logging
 import os
-import sys
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,11 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from cpctl import config, guards, huggingface, losses, process
 from cpctl import documents as packing
-from cpctl import huggingface
-from cpctl import config
 from cpctl.attention import ChunkLayout, context_parallel_attention
 from cpctl.attention import sharding
 from cpctl.attention.dispatch import RouteSDPA
@@ -137,7 +129,7 @@ class Runtime:
                 "fsdp.version: 1 with several data-parallel ranks; cpctl's prepare_model applies FSDP2 only: "
                 "set fsdp.version: 2 (or wrap the model in DDP/FSDP yourself and skip prepare_model)"
             )
-        _forget_replaced_parameters(before, model)
+        guards.forget_replaced_parameters(before, model)
         return model
 
     def _recompute_context(self) -> contextlib.AbstractContextManager:
@@ -271,7 +263,7 @@ class Runtime:
         inside documents, and the chunks are assigned to ranks by cost.
         """
         buffers, no_restore = list(buffers), list(no_restore_buffers)
-        _check_buffers(buffers, list(buffer_seq_dims), no_restore)
+        guards.check_buffers(buffers, list(buffer_seq_dims), no_restore)
         if documents is not None and not isinstance(documents, torch.Tensor):
             raise CpctlError("maybe_context_parallel: documents must be a tensor of position ids, "
                              "e.g. cpctl.position_ids_for_documents(lengths)")
@@ -323,7 +315,7 @@ class Runtime:
 
     def _check_same_inputs(self, buffers: list[torch.Tensor]) -> None:
         """Every rank of a CP group must hold the same full buffers: compare cheap fingerprints."""
-        mine = _fingerprints(buffers).to(self.device)
+        mine = guards.fingerprints(buffers).to(self.device)
         gathered = [torch.empty_like(mine) for _ in range(self.cp_size)]
         dist.all_gather(gathered, mine, group=self.cp_group)
         for rank, theirs in enumerate(gathered):
@@ -357,58 +349,21 @@ class Runtime:
     # ------------------------------------------------------------------ losses
 
     def token_mean(self, loss_sum: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
-        """The token-mean loss of the whole dp x cp batch, from this rank's summed loss.
-
-        Its value is the global mean on every rank. Its gradient is this rank's share scaled
-        so that, after FSDP averages gradients over the dp_replicate x dp_shard x cp ranks,
-        every parameter holds the single-process gradient of the global token mean.
-        """
+        """The token-mean loss of the whole dp x cp batch, from this rank's summed loss (see losses.token_mean)."""
         self.require_sharded(labels, name="token_mean's labels", seq_dim=1 if labels.dim() > 1 else 0)
-        group = self.axes["dp_cp"].get_group()
-        stats = torch.stack([loss_sum.detach().float(), (labels != ignore_index).sum().float()])
-        dist.all_reduce(stats, group=group)
-        total_loss, total_tokens = stats[0], stats[1].clamp(min=1)
-        averaging = self.axes["dp_cp"].size()  # FSDP's gradient reduction divides by this
-        share = loss_sum * (averaging / total_tokens)
-        return share + (total_loss / total_tokens - share).detach()
+        return losses.token_mean(loss_sum, labels, group=self.axes["dp_cp"], ignore_index=ignore_index)
 
     def document_mean(self, token_losses: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, *,
                       ignore_index: int = -100) -> torch.Tensor:
-        """The mean over every packed document of the dp x cp batch of its own token-mean loss.
-
-        `token_losses` (cross-entropy with reduction="none"), `labels` and `position_ids` are
-        this rank's shards, (batch, local_seq), or full rows with cp_size 1. A document's
-        tokens may sit on several ranks: its sum and count are reduced over the CP group
-        first. Value and gradient as `token_mean`'s: the global mean on every rank, and the
-        single-process gradient after FSDP's averaging.
-        """
+        """The mean over every packed document of the dp x cp batch of its own token-mean loss
+        (see losses.document_mean); inputs are this rank's (batch, local_seq) shards."""
         for name, tensor in (("labels", labels), ("position_ids", position_ids)):
             self.require_sharded(tensor, name=f"document_mean's {name}", seq_dim=1)
         full_positions = self.unshard(position_ids, seq_dim=1)
-        starts = packing.starts_per_row(full_positions)
-        # each local token's document, numbered across the rows of this rank's batch
-        offsets = torch.tensor([0, *itertools.accumulate(len(row) for row in starts)][:-1], device=labels.device)
-        global_pos = self.shard(torch.arange(full_positions.shape[1], device=labels.device).expand_as(full_positions),
-                                seq_dim=1)
-        doc = torch.stack([torch.searchsorted(torch.tensor(row, device=labels.device), global_pos[b], right=True) - 1
-                           for b, row in enumerate(starts)]) + offsets[:, None]
-        kept = labels != ignore_index
-        num_docs = sum(len(row) for row in starts)
-        sums = torch.zeros(num_docs, dtype=torch.float32, device=labels.device)
-        counts = torch.zeros(num_docs, dtype=torch.float32, device=labels.device)
-        sums.index_add_(0, doc[kept], token_losses[kept].detach().float())
-        counts.index_add_(0, doc[kept], torch.ones_like(sums[doc[kept]]))
-        totals = torch.cat([sums, counts])
-        dist.all_reduce(totals, group=self.cp_group)  # the same documents on every CP rank
-        sums, counts = totals[:num_docs], totals[num_docs:]
-        with_tokens = counts > 0
-        stats = torch.stack([(sums[with_tokens] / counts[with_tokens]).sum(), with_tokens.sum().float()])
-        dist.all_reduce(stats, group=self.axes["dp"].get_group())  # other dp ranks: other documents
-        total_means, total_docs = stats[0], stats[1].clamp(min=1)
-        weights = (1.0 / counts.clamp(min=1))[doc] * kept
-        averaging = self.axes["dp_cp"].size()
-        share = (token_losses * weights).sum() * (averaging / total_docs)
-        return share + (total_means / total_docs - share).detach()
+        positions = torch.arange(full_positions.shape[1], device=labels.device).expand_as(full_positions)
+        return losses.document_mean(token_losses, labels, starts=packing.starts_per_row(full_positions),
+                                    token_positions=self.shard(positions, seq_dim=1), cp=self.axes["cp"],
+                                    dp=self.axes["dp"], dp_cp=self.axes["dp_cp"], ignore_index=ignore_index)
 
 
 class EpochDataLoader(torch.utils.data.DataLoader):
@@ -422,84 +377,9 @@ class EpochDataLoader(torch.utils.data.DataLoader):
         return super().__iter__()
 
 
-_FINGERPRINT_ROWS, _FINGERPRINT_SAMPLE = 16, 65536
-_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _fingerprints(buffers: list[torch.Tensor]) -> torch.Tensor:
-    """(rows, 8) int64: a header row with the count, then per buffer its shape and a hash of
-    up to 65536 evenly spaced elements (their bits, so floats compare exactly)."""
-    table = torch.zeros(_FINGERPRINT_ROWS + 1, 8, dtype=torch.int64)
-    table[0, 0] = len(buffers)
-    for row, buffer in enumerate(buffers[:_FINGERPRINT_ROWS], start=1):
-        shape = list(buffer.shape)[-6:]
-        table[row, 0] = buffer.dim()
-        table[row, 1:1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
-        flat = buffer.detach().reshape(-1)
-        flat = flat[:: max(1, flat.numel() // _FINGERPRINT_SAMPLE)]
-        if flat.is_floating_point() or flat.is_complex():
-            flat = flat.contiguous().view(_SAME_WIDTH_INT[flat.element_size()])
-        values = flat.to(torch.int64).cpu()
-        weights = torch.arange(values.numel(), dtype=torch.int64) % 1_000_003 + 1
-        table[row, 7] = int((values * weights).sum())
-    return table
-
-
-def _forget_replaced_parameters(before: dict[int, torch.Tensor], model: nn.Module) -> None:
-    """Remember the parameters prepare_model replaced, so an optimizer that still holds them
-    (created before prepare_model: it would train nothing) fails at its first step."""
-    kept = {id(p) for p in model.parameters()}
-    for key, param in before.items():
-        if key not in kept:
-            _REPLACED[key] = param
-    global _OPTIMIZER_HOOK
-    if _REPLACED and _OPTIMIZER_HOOK is None:
-        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_refuse_replaced_parameters)
-
-
-_REPLACED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_OPTIMIZER_HOOK = None
-
-
-def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if _REPLACED.get(id(param)) is param:
-                raise CpctlError(
-                    f"{type(optimizer).__name__} holds the model's parameters from before rt.prepare_model, which "
-                    "replaced them (FSDP2 shards them): it would train nothing. Create the optimizer after "
-                    "rt.prepare_model, from the model it returns"
-                )
-
-
 def _alias(tensor: torch.Tensor) -> torch.Tensor:
     """A second handle on `tensor`'s current storage and shape, to put back after set_()."""
     return tensor.new_empty(0).set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
-
-
-def _check_buffers(buffers: list, seq_dims: list, no_restore: list) -> None:
-    if len(buffers) != len(seq_dims):
-        raise CpctlError(f"maybe_context_parallel: {len(buffers)} buffers but {len(seq_dims)} buffer_seq_dims; "
-                         "give one sequence dim per buffer")
-    for item in [*buffers, *no_restore]:
-        if not isinstance(item, torch.Tensor):
-            raise CpctlError(f"maybe_context_parallel: buffers must be tensors, got {type(item).__name__}")
-    if len({id(b) for b in buffers}) != len(buffers):
-        raise CpctlError("maybe_context_parallel: a tensor appears twice in buffers; pass each buffer once")
-    for t in no_restore:
-        if not any(t is b for b in buffers):
-            raise CpctlError("maybe_context_parallel: no_restore_buffers must be a subset of buffers; "
-                             f"a tensor of shape {tuple(t.shape)} is not among the buffers")
-    for buffer, seq_dim in zip(buffers, seq_dims):
-        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
-            raise CpctlError(f"maybe_context_parallel: buffer_seq_dims must be integers, got {seq_dim!r}")
-        if buffer.requires_grad:
-            raise CpctlError(
-                f"maybe_context_parallel: a buffer of shape {tuple(buffer.shape)} requires grad and cannot be "
-                "sharded in place; pass inputs (ids, labels, positions) and shard activations with rt.shard()"
-            )
-        if not -buffer.dim() <= seq_dim < buffer.dim():
-            raise CpctlError(f"maybe_context_parallel: buffer_seq_dims has {seq_dim} for a {buffer.dim()}-D buffer")
 
 
 # ---------------------------------------------------------------------- init
@@ -530,9 +410,7 @@ def init(**overrides: Any) -> Runtime:
     profile = _profile_for_this_process(overrides)
     device = _device_for(profile)
     if not dist.is_initialized():
-        _init_process_group(device)
-        _note_uncaught_exceptions()
-        atexit.register(_shutdown)
+        process.start(device, on_exit=_forget_runtime)
     mesh, axes = build_mesh(profile.parallelism, device_type=device.type)
     _RUNTIME, _INIT_OVERRIDES = Runtime(config=profile, mesh=mesh, device=device, axes=axes), dict(overrides)
     return _RUNTIME
@@ -552,44 +430,6 @@ def _device_for(profile: config.Profile) -> torch.device:
     return torch.device("cpu")
 
 
-def _init_process_group(device: torch.device) -> None:
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    else:  # a world of one, without a launcher's rendezvous
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-
-
-_FAILED = False  # an exception ended the script: peers may never reach the exit barrier
-_EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=30)
-
-
-def _note_uncaught_exceptions() -> None:
-    previous = sys.excepthook
-
-    def hook(*exc_info):
-        global _FAILED
-        _FAILED = True
-        previous(*exc_info)
-
-    sys.excepthook = hook
-
-
-def _shutdown() -> None:
-    """Tear the process groups down while Python is fully alive.
-
-    gloo's worker threads may still hold the tensors of finished collectives; if they free them
-    during interpreter finalization, the thread is killed mid-destructor and the process aborts
-    ("terminate called without an active exception", exit 134). A barrier first lets every
-    rank's threads go idle and no rank close connections a peer still uses; collecting garbage
-    after destroy_process_group frees the groups FSDP's and the mesh's reference cycles hold.
-    """
+def _forget_runtime() -> None:
     global _RUNTIME
     _RUNTIME = None
-    if not dist.is_initialized():
-        return
-    if not _FAILED and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
-        with contextlib.suppress(RuntimeError):  # a peer that never arrives must not hold this rank
-            dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
-    dist.destroy_process_group()
-    gc.collect()

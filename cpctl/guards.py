@@ -1,0 +1,88 @@
+"""Misuse the runtime cannot make right, caught where it is cheap: bad buffer arguments, CP
+ranks fed different inputs, an optimizer holding the parameters prepare_model replaced."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from cpctl.errors import CpctlError
+
+
+def check_buffers(buffers: list, seq_dims: list, no_restore: list) -> None:
+    if len(buffers) != len(seq_dims):
+        raise CpctlError(f"maybe_context_parallel: {len(buffers)} buffers but {len(seq_dims)} buffer_seq_dims; "
+                         "give one sequence dim per buffer")
+    for item in [*buffers, *no_restore]:
+        if not isinstance(item, torch.Tensor):
+            raise CpctlError(f"maybe_context_parallel: buffers must be tensors, got {type(item).__name__}")
+    if len({id(b) for b in buffers}) != len(buffers):
+        raise CpctlError("maybe_context_parallel: a tensor appears twice in buffers; pass each buffer once")
+    for t in no_restore:
+        if not any(t is b for b in buffers):
+            raise CpctlError("maybe_context_parallel: no_restore_buffers must be a subset of buffers; "
+                             f"a tensor of shape {tuple(t.shape)} is not among the buffers")
+    for buffer, seq_dim in zip(buffers, seq_dims):
+        if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
+            raise CpctlError(f"maybe_context_parallel: buffer_seq_dims must be integers, got {seq_dim!r}")
+        if buffer.requires_grad:
+            raise CpctlError(
+                f"maybe_context_parallel: a buffer of shape {tuple(buffer.shape)} requires grad and cannot be "
+                "sharded in place; pass inputs (ids, labels, positions) and shard activations with rt.shard()"
+            )
+        if not -buffer.dim() <= seq_dim < buffer.dim():
+            raise CpctlError(f"maybe_context_parallel: buffer_seq_dims has {seq_dim} for a {buffer.dim()}-D buffer")
+
+
+
+_FINGERPRINT_ROWS, _FINGERPRINT_SAMPLE = 16, 65536
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def fingerprints(buffers: list[torch.Tensor]) -> torch.Tensor:
+    """(rows, 8) int64: a header row with the count, then per buffer its shape and a hash of
+    up to 65536 evenly spaced elements (their bits, so floats compare exactly)."""
+    table = torch.zeros(_FINGERPRINT_ROWS + 1, 8, dtype=torch.int64)
+    table[0, 0] = len(buffers)
+    for row, buffer in enumerate(buffers[:_FINGERPRINT_ROWS], start=1):
+        shape = list(buffer.shape)[-6:]
+        table[row, 0] = buffer.dim()
+        table[row, 1:1 + len(shape)] = torch.tensor(shape, dtype=torch.int64)
+        flat = buffer.detach().reshape(-1)
+        flat = flat[:: max(1, flat.numel() // _FINGERPRINT_SAMPLE)]
+        if flat.is_floating_point() or flat.is_complex():
+            flat = flat.contiguous().view(_SAME_WIDTH_INT[flat.element_size()])
+        values = flat.to(torch.int64).cpu()
+        weights = torch.arange(values.numel(), dtype=torch.int64) % 1_000_003 + 1
+        table[row, 7] = int((values * weights).sum())
+    return table
+
+
+def forget_replaced_parameters(before: dict[int, torch.Tensor], model: nn.Module) -> None:
+    """Remember the parameters prepare_model replaced, so an optimizer that still holds them
+    (created before prepare_model: it would train nothing) fails at its first step."""
+    kept = {id(p) for p in model.parameters()}
+    for key, param in before.items():
+        if key not in kept:
+            _REPLACED[key] = param
+    global _OPTIMIZER_HOOK
+    if _REPLACED and _OPTIMIZER_HOOK is None:
+        _OPTIMIZER_HOOK = register_optimizer_step_pre_hook(_refuse_replaced_parameters)
+
+
+_REPLACED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_OPTIMIZER_HOOK = None
+
+
+def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if _REPLACED.get(id(param)) is param:
+                raise CpctlError(
+                    f"{type(optimizer).__name__} holds the model's parameters from before rt.prepare_model, which "
+                    "replaced them (FSDP2 shards them): it would train nothing. Create the optimizer after "
+                    "rt.prepare_model, from the model it returns"
+                )
