@@ -431,18 +431,6 @@ def test_env_reports_versions_devices_backends_and_profile(isolated: Path) -> No
 # ----------------------------------------------------------------------------- config (the wizard)
 
 
-def _wizard_ready() -> bool:
-    try:
-        from cpctl import wizard
-    except ImportError:
-        return False
-    return hasattr(wizard, "run_config")
-
-
-needs_wizard = pytest.mark.skipif(not _wizard_ready(), reason="cpctl.wizard.run_config is not written yet (another engineer's part)")
-
-
-@needs_wizard
 def test_config_yes_writes_a_profile_that_checks(isolated: Path) -> None:
     result = cpctl("config", "--yes", "--output", "cp.yaml", "--device", "cpu", "--cp-size", "2")
     assert result.exit_code == 0, result.output
@@ -452,7 +440,6 @@ def test_config_yes_writes_a_profile_that_checks(isolated: Path) -> None:
     assert "cp 2 = world 2" in dry.stdout
 
 
-@needs_wizard
 def test_config_rejects_a_bad_flag_in_one_line(isolated: Path) -> None:
     assert_one_line_error(cpctl("config", "--yes", "--cp-size", "two"), "two")
     assert not (isolated / "cpctl.yaml").exists()

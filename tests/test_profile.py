@@ -24,9 +24,11 @@ def write(path: Path, tree: dict | str) -> Path:
     return path
 
 
-def resolve(tmp_path: Path, *, environ: dict | None = None, machine: P.Machine = CPU, **kwargs) -> P.Resolved:
-    environ = {"XDG_CONFIG_HOME": str(tmp_path / "xdg")} | (environ or {})
+def resolve_apart(tmp_path: Path, *, environ: dict | None = None, machine: P.Machine = CPU, **kwargs) -> P.Resolved:
+    """`resolve` in `tmp_path`, apart from this host's variables, user profile and GPUs."""
+    environ = {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path)} | (environ or {})
     return P.resolve(environ=environ, cwd=tmp_path, machine=machine, **kwargs)
+
 
 
 def source_of(resolved: P.Resolved, path: str) -> str:
@@ -35,7 +37,7 @@ def source_of(resolved: P.Resolved, path: str) -> str:
 
 def error_of(tmp_path: Path, **kwargs) -> str:
     with pytest.raises(CpctlError) as caught:
-        resolve(tmp_path, **kwargs)
+        resolve_apart(tmp_path, **kwargs)
     message = str(caught.value)
     assert "\n" not in message
     return message
@@ -45,7 +47,7 @@ def error_of(tmp_path: Path, **kwargs) -> str:
 
 
 def test_defaults_on_a_cpu_machine(tmp_path: Path) -> None:
-    resolved = resolve(tmp_path)
+    resolved = resolve_apart(tmp_path)
     profile = resolved.profile
     assert (profile.launch.device, profile.launch.nproc_per_node) == ("cpu", 2)
     assert profile.parallelism.dp_shard_size == 2  # auto: world 2 / (1 * 1 * 1)
@@ -56,7 +58,7 @@ def test_defaults_on_a_cpu_machine(tmp_path: Path) -> None:
 
 
 def test_auto_on_a_gpu_machine(tmp_path: Path) -> None:
-    profile = resolve(tmp_path, machine=P.Machine(cuda_devices=8), flags={"parallelism.cp_size": "4"}).profile
+    profile = resolve_apart(tmp_path, machine=P.Machine(cuda_devices=8), flags={"parallelism.cp_size": "4"}).profile
     assert (profile.launch.device, profile.launch.nproc_per_node) == ("cuda", 8)
     assert profile.parallelism.dp_shard_size == 2
     assert profile.fsdp.mixed_precision == "bf16"
@@ -64,7 +66,7 @@ def test_auto_on_a_gpu_machine(tmp_path: Path) -> None:
 
 def test_dp_shard_auto_fills_the_world(tmp_path: Path) -> None:
     flags = {"launch.nproc_per_node": "8", "parallelism.cp_size": "2", "parallelism.tp_size": "2"}
-    resolved = resolve(tmp_path, flags=flags)
+    resolved = resolve_apart(tmp_path, flags=flags)
     assert resolved.profile.parallelism.dp_shard_size == 2
     assert resolved.sources["parallelism.dp_shard_size"] == "auto (world 8 / 4)"
 
@@ -103,7 +105,7 @@ def _layered(tmp_path: Path, top: str) -> tuple[dict, dict, str | None]:
 @pytest.mark.parametrize("top", LAYERS)
 def test_each_layer_beats_the_ones_below(tmp_path: Path, top: str) -> None:
     environ, flags, config = _layered(tmp_path, top)
-    resolved = resolve(tmp_path, environ=environ, flags=flags, config=config)
+    resolved = resolve_apart(tmp_path, environ=environ, flags=flags, config=config)
     assert resolved.profile.launch.max_restarts == LAYERS.index(top) + 1
     source = resolved.sources["launch.max_restarts"]
     expected = {
@@ -119,7 +121,7 @@ def test_each_layer_beats_the_ones_below(tmp_path: Path, top: str) -> None:
 def test_layers_merge_key_by_key(tmp_path: Path) -> None:
     write(tmp_path / "xdg" / "cpctl" / "default.yaml", {"parallelism": {"cp_comm_strategy": "alltoall"}})
     write(tmp_path / "cpctl.yaml", {"fsdp": {"activation_checkpointing": True}})
-    resolved = resolve(tmp_path, environ={"CPCTL_CP_SIZE": "2"}, flags={"launch.max_restarts": "1"})
+    resolved = resolve_apart(tmp_path, environ={"CPCTL_CP_SIZE": "2"}, flags={"launch.max_restarts": "1"})
     profile, sources = resolved.profile, resolved.sources
     assert profile.parallelism.cp_comm_strategy == "alltoall" and sources["parallelism.cp_comm_strategy"].startswith("user default")
     assert profile.fsdp.activation_checkpointing is True and sources["fsdp.activation_checkpointing"] == "./cpctl.yaml"
@@ -130,15 +132,15 @@ def test_layers_merge_key_by_key(tmp_path: Path) -> None:
 
 def test_profile_name_lookup_prefers_local_configs(tmp_path: Path) -> None:
     write(tmp_path / "xdg" / "cpctl" / "mine.yaml", {"launch": {"max_restarts": 1}})
-    assert resolve(tmp_path, profile_name="mine").profile.launch.max_restarts == 1
+    assert resolve_apart(tmp_path, profile_name="mine").profile.launch.max_restarts == 1
     write(tmp_path / "configs" / "mine.yaml", {"launch": {"max_restarts": 2}})
-    resolved = resolve(tmp_path, profile_name="mine")
+    resolved = resolve_apart(tmp_path, profile_name="mine")
     assert resolved.profile.launch.max_restarts == 2
     assert resolved.sources["launch.max_restarts"] == f"--profile mine ({tmp_path / 'configs' / 'mine.yaml'})"
 
 
 def test_shipped_profiles_are_found_anywhere(tmp_path: Path) -> None:
-    resolved = resolve(tmp_path, profile_name="cpu-try")  # tmp_path has no configs/
+    resolved = resolve_apart(tmp_path, profile_name="cpu-try")  # tmp_path has no configs/
     assert resolved.profile.parallelism.cp_size == 2
     assert resolved.files[0].parent == P.layers.installed_profiles_dir()
 
@@ -208,7 +210,7 @@ def test_missing_config_file(tmp_path: Path) -> None:
 def test_bare_no_is_the_string_no(tmp_path: Path) -> None:
     # YAML 1.1 reads `no` as false; the profile documents `mixed_precision: no`
     path = write(tmp_path / "p.yaml", "fsdp:\n  mixed_precision: no\n")
-    assert resolve(tmp_path, config=str(path)).profile.fsdp.mixed_precision == "no"
+    assert resolve_apart(tmp_path, config=str(path)).profile.fsdp.mixed_precision == "no"
 
 
 def test_sizes_that_do_not_multiply_to_the_world_propose_a_fix(tmp_path: Path) -> None:
@@ -228,7 +230,7 @@ def test_sizes_with_no_fitting_dp_shard(tmp_path: Path) -> None:
 def test_cp_needs_fsdp2(tmp_path: Path) -> None:
     message = error_of(tmp_path, flags={"parallelism.cp_size": "2", "fsdp.version": "1"})
     assert message == "fsdp.version: 1 with cp_size 2; context parallelism needs fsdp.version: 2"
-    assert resolve(tmp_path, flags={"fsdp.version": "1"}).profile.fsdp.version == 1  # fine without CP
+    assert resolve_apart(tmp_path, flags={"fsdp.version": "1"}).profile.fsdp.version == 1  # fine without CP
 
 
 def test_cp_needs_sdpa(tmp_path: Path) -> None:
@@ -262,7 +264,7 @@ SLURM = {
 
 
 def test_slurm_variables_give_nodes_rank_and_endpoint(tmp_path: Path) -> None:
-    resolved = resolve(tmp_path, environ=SLURM)
+    resolved = resolve_apart(tmp_path, environ=SLURM)
     launch = resolved.profile.launch
     assert (launch.nnodes, launch.node_rank, launch.rdzv_endpoint) == (2, 1, "gpu003:29500")
     assert {resolved.sources[f"launch.{key}"] for key in ("nnodes", "node_rank", "rdzv_endpoint")} == {"SLURM"}
@@ -271,14 +273,14 @@ def test_slurm_variables_give_nodes_rank_and_endpoint(tmp_path: Path) -> None:
 
 def test_flags_and_variables_beat_slurm(tmp_path: Path) -> None:
     environ = SLURM | {"CPCTL_RDZV_ENDPOINT": "head:1234"}
-    resolved = resolve(tmp_path, environ=environ, flags={"launch.node_rank": "0"})
+    resolved = resolve_apart(tmp_path, environ=environ, flags={"launch.node_rank": "0"})
     assert resolved.profile.launch.rdzv_endpoint == "head:1234"
     assert resolved.sources["launch.node_rank"] == "flag --node-rank"
 
 
 def test_without_slurm_job_id_slurm_variables_are_ignored(tmp_path: Path) -> None:
     environ = {k: v for k, v in SLURM.items() if k != "SLURM_JOB_ID"}
-    assert resolve(tmp_path, environ=environ).profile.launch.nnodes == 1
+    assert resolve_apart(tmp_path, environ=environ).profile.launch.nnodes == 1
 
 
 @pytest.mark.parametrize(
@@ -293,7 +295,7 @@ def test_first_slurm_host(nodelist: str, host: str) -> None:
 
 
 def test_the_profile_survives_the_trip_to_the_workers(tmp_path: Path) -> None:
-    resolved = resolve(tmp_path, flags={"parallelism.cp_size": "2", "parallelism.cp_comm_strategy": "alltoall"})
+    resolved = resolve_apart(tmp_path, flags={"parallelism.cp_size": "2", "parallelism.cp_comm_strategy": "alltoall"})
     sent = json.dumps(resolved.profile.to_dict())
     assert P.Profile.from_tree(json.loads(sent)) == resolved.profile
 

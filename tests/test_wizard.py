@@ -22,6 +22,7 @@ from rich.console import Console
 from cpctl import config as prof
 from cpctl.errors import CpctlError
 from cpctl.wizard import cross_check, run_config
+from test_profile import resolve_apart
 
 CPU = prof.Machine(cuda_devices=0)
 GPU8 = prof.Machine(cuda_devices=8)
@@ -57,8 +58,7 @@ def resolved(path: Path, machine: prof.Machine = CPU) -> prof.Profile:
     """What `cpctl launch --config path` resolves the written file to, away from this host's env."""
     empty = path.parent / "empty"
     empty.mkdir(exist_ok=True)
-    environ = {"XDG_CONFIG_HOME": str(empty), "HOME": str(empty)}
-    return prof.resolve(config=path, environ=environ, cwd=empty, machine=machine).profile
+    return resolve_apart(empty, config=path, machine=machine).profile
 
 
 def test_defaults_only_write_a_profile_that_resolves(tmp_path):
@@ -197,7 +197,7 @@ def test_a_mistake_reads_the_same_from_config_and_launch(tmp_path):
     with pytest.raises(CpctlError) as from_config:
         run_yes(output=tmp_path / "p.yaml", flags=flags)
     with pytest.raises(CpctlError) as from_launch:
-        prof.resolve(flags=flags, environ={}, cwd=tmp_path, machine=CPU)
+        resolve_apart(tmp_path, flags=flags)
     expected = "dp_replicate(1) * cp(3) * tp(1) = 3 does not divide world size 2 (nnodes 1 x nproc_per_node 2)"
     assert expected in str(from_config.value) and expected in str(from_launch.value)
     assert "launch.nnodes" not in str(from_config.value)  # never set by the user: not blamed
