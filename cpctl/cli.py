@@ -309,7 +309,7 @@ def _print_plan(plan: Plan) -> None:
     )
 
 
-# cpctl options that may also follow SCRIPT (SPEC: `cpctl launch train.py --cp-size 8`). --config
+# cpctl options that may also follow SCRIPT (`cpctl launch train.py --cp-size 8` works as written). --config
 # and --profile are not among them: scripts often take options of those names.
 TRAILING_FLAGS = {spec.flag: spec.path for spec in PROFILE_FLAGS}
 TRAILING_SWITCHES = {"--dry-run"}

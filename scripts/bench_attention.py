@@ -157,14 +157,7 @@ def native_step(args, seq, strategy, mesh):
     return step
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl")
-    world = dist.get_world_size()
-    mesh = torch.distributed.device_mesh.init_device_mesh("cuda", (world,), mesh_dim_names=("cp",))
-    group = mesh.get_group()
-    cp_kernels.force_kernel(args.kernel)
+def measure_all(args, world, mesh, group) -> list[dict]:
     engines = args.engines.split(",")
     strategies = args.strategies.split(",")
     single_group = dist.new_group([0])  # every rank must take part in creating it
@@ -182,6 +175,18 @@ def main(argv=None):
                 measure("native", strategy, seq, world, args, lambda: native_step(args, seq, strategy, mesh), group, records)
             if "cpctl" in engines:
                 measure("cpctl", strategy, seq, world, args, lambda: cpctl_step(args, seq, strategy, group), group, records)
+    return records
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    mesh = torch.distributed.device_mesh.init_device_mesh("cuda", (world,), mesh_dim_names=("cp",))
+    group = mesh.get_group()
+    with cp_kernels.pinned_kernel(args.kernel):
+        records = measure_all(args, world, mesh, group)
     if dist.get_rank() == 0 and args.out:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out, "a") as f:

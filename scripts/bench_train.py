@@ -21,14 +21,20 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import cpctl
-from llama import PRESETS, Llama
-from train_llama import train_step
+
+# The model and the training step are the example's own (scripts/llama.py, scripts/train_llama.py),
+# imported from beside this file however it is started.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from llama import PRESETS, Llama  # noqa: E402
+from train_llama import train_step  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0
 K = 1024

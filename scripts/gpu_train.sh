@@ -11,12 +11,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
     scripts/train_llama.py --steps 6 --seq-len 4096 --global-batch 1 --losses-out "$out/losses_cp$2.json" \
     > "$out/train_cp$2.log" 2>&1 || tail -5 "$out/train_cp$2.log"
 done
-[ "${SKIP_LOSSES:-0}" = 1 ] || python - "$out" <<'PY'
-import json, sys
-a, b = (json.load(open(f"{sys.argv[1]}/losses_cp{n}.json"))["losses"] for n in (1, 2))
-print("NCCL fp32 losses 1 GPU :", [round(x, 5) for x in a])
-print("NCCL fp32 losses cp=2  :", [round(x, 5) for x in b], "max diff", max(abs(x - y) for x, y in zip(a, b)))
-PY
+[ "${SKIP_LOSSES:-0}" = 1 ] || python scripts/summarize.py losses "$out/losses_cp1.json" "$out/losses_cp2.json"
 [ "${SKIP_ONE_GPU:-0}" = 1 ] || python -m cpctl launch --device cuda --nproc-per-node 1 --cp-size 1 scripts/bench_train.py \
   --seqs 32k,64k,128k --probe 192k,256k --out "$out/train_h200x2.jsonl" > "$out/bench_train1.log" 2>&1 || tail -5 "$out/bench_train1.log"
 python -m cpctl launch --device cuda --nproc-per-node 2 --cp-size 2 scripts/bench_train.py \

@@ -9,13 +9,12 @@ import torch
 from cpctl.attention import kernels
 
 for name in kernels.CUDA_PREFERENCE:
-    kernels.force_kernel(name)
-    for dtype in (torch.bfloat16, torch.float16):
-        try:
-            print(name, dtype, "ok:", kernels.kernel_for(torch.empty(1, 1, 1, 128, device="cuda", dtype=dtype)).name)
-        except RuntimeError as exc:
-            print(name, dtype, "FAILED:", exc)
-kernels.force_kernel(None)
+    with kernels.pinned_kernel(name):
+        for dtype in (torch.bfloat16, torch.float16):
+            try:
+                print(name, dtype, "ok:", kernels.kernel_for(torch.empty(1, 1, 1, 128, device="cuda", dtype=dtype)).name)
+            except RuntimeError as exc:
+                print(name, dtype, "FAILED:", exc)
 print("automatic choice:", kernels.kernel_for(torch.empty(1, 1, 1, 128, device="cuda", dtype=torch.bfloat16)).name)
 for dtype in (torch.bfloat16, torch.float16):
     problem = kernels.windowed_flash_problem(dtype, 128, torch.cuda.current_device())

@@ -6,10 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parent.parent
-# Variables that would change what a profile resolves to, or how torchrun behaves.
-_AMBIENT_PREFIXES = ("CPCTL_", "SLURM_", "PET_", "TORCHELASTIC_")
+from launching import AMBIENT_PREFIXES
 
 
 @pytest.fixture
@@ -17,7 +14,7 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """cwd = an empty tmp dir; no CPCTL_*/SLURM_* variables, no user default profile, no GPUs
     visible (so `device: auto` means cpu on every machine), wide rich output. Returns the cwd."""
     for name in list(os.environ):
-        if name.startswith(_AMBIENT_PREFIXES):
+        if name.startswith(AMBIENT_PREFIXES):
             monkeypatch.delenv(name)
     config_home = tmp_path / "xdg-config"
     config_home.mkdir()

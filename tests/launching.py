@@ -1,22 +1,29 @@
-"""Helpers for tests that start real `cpctl launch` processes: a clean environment, the CLI in
-a subprocess, and waiting for it with a time limit."""
+"""Helpers for tests that start real processes (`cpctl launch`, torchrun, scripts): the repository
+root, a clean environment, the CLI in a subprocess, waiting for it with a time limit, and running
+each expensive launch once per module."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
+# Variables that would change what a profile resolves to, or how torchrun behaves.
+AMBIENT_PREFIXES = ("CPCTL_", "SLURM_", "PET_", "TORCHELASTIC_")
+
+T = TypeVar("T")
 
 
 def launch_env(tmp_path: Path) -> dict[str, str]:
     """The test's environment minus anything that would change the profile or torchrun."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("CPCTL_", "SLURM_", "PET_", "TORCHELASTIC_"))}
+    env = {k: v for k, v in os.environ.items() if not k.startswith(AMBIENT_PREFIXES)}
     env |= {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "CUDA_VISIBLE_DEVICES": "",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
     return env
@@ -37,3 +44,27 @@ def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
         out, err = proc.communicate()
         pytest.fail(f"cpctl launch did not finish in {TIMEOUT}s:\n{out}\n{err}")
     return proc.returncode, out, err
+
+
+def launch_once(tmp_path_factory: pytest.TempPathFactory, name: str,
+                launch: Callable[..., T]) -> Callable[..., T]:
+    """`get(*key)`: `launch(tmp_dir, *key)` on the first call for that key, in a fresh temporary
+    directory; every later call gets its result. A failed launch is not repeated: the first test
+    that asked for it shows the error, later ones fail with its message."""
+    results: dict[tuple, T] = {}
+    failures: dict[tuple, str] = {}
+
+    def get(*key: object) -> T:
+        if key in failures:
+            pytest.fail(f"{name} {key}: the launch failed (see the first test that used it):\n{failures[key]}",
+                        pytrace=False)
+        if key not in results:
+            tmp = tmp_path_factory.mktemp("-".join([name, *map(str, key)]))
+            try:
+                results[key] = launch(tmp, *key)
+            except (Exception, pytest.fail.Exception) as error:
+                failures[key] = str(error) or type(error).__name__
+                raise
+        return results[key]
+
+    return get

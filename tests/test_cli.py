@@ -19,8 +19,8 @@ from typer.testing import CliRunner
 from cpctl import __version__, envinfo
 from cpctl.cli import PROFILE_FLAGS, app
 from cpctl.config import PROFILE_ENV_VAR
+from launching import REPO
 
-REPO = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
 pytestmark = pytest.mark.usefixtures("isolated")
@@ -279,7 +279,7 @@ def test_dry_run_with_a_module(isolated: Path) -> None:
 
 
 def test_cpctl_options_after_the_script_apply_as_spec_writes_them(script: Path) -> None:
-    # SPEC: `cpctl launch train.py --cp-size 8`; a `--` hands the rest to the script untouched.
+    # `cpctl launch train.py --cp-size 8` works as written; a `--` hands the rest to the script untouched.
     result = cpctl("launch", "train.py", "--cp-size", "2", "--lr", "1", "--dry-run", "--", "--cp-size", "9")
     assert result.exit_code == 0, result.output
     assert "parallelism.cp_size" in result.stdout and "flag --cp-size" in result.stdout

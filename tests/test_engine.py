@@ -1,4 +1,4 @@
-"""The CP attention engine against single-process SDPA on the full sequence (SPEC section 4).
+"""The CP attention engine against single-process SDPA on the full sequence.
 
 tests/workers/engine_cases.py runs every case under `torch.distributed.run` with gloo on CPU,
 once per world size (2 and 4 processes, a few seconds each), and writes the max abs error of
@@ -18,18 +18,21 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import launch_env
+from launching import REPO, launch_env, launch_once
 
-WORKER = Path(__file__).resolve().parent / "workers" / "engine_cases.py"
+from cpctl.attention import Strategy
+
+WORKER = REPO / "tests" / "workers" / "engine_cases.py"
+STRATEGIES = tuple(strategy.value for strategy in Strategy)
 WORLD_SIZES = (2, 4)
-TOLERANCE = 1e-5  # fp32, SPEC section 4
+TOLERANCE = 1e-5  # the engine's fp32 bar
 TIMEOUT = 180
 
 CASES = [
     {"strategy": strategy, "causal": causal, "load_balance": load_balance, "q_heads": q_heads, "kv_heads": kv_heads,
      "batch": batch}
     for strategy, causal, load_balance, (q_heads, kv_heads), batch in itertools.product(
-        ("allgather", "alltoall"), (True, False), (True, False), ((4, 4), (4, 2), (4, 1)), (1, 2))
+        STRATEGIES, (True, False), (True, False), ((4, 4), (4, 2), (4, 1)), (1, 2))
 ]
 # Must list what tests/workers/engine_cases.py runs after the plain cases.
 EXTRAS = [dict(window=w) for w in (1, 7, 16, 24, 40, 1000)] + [dict(chunk=c) for c in (5, 16, 24, 40)]
@@ -40,8 +43,7 @@ EXTRAS += [dict(documents="spanning", window=6)]
 CASES += [
     {"strategy": strategy, "causal": causal, "load_balance": load_balance, "q_heads": 4, "kv_heads": 2, "batch": 2,
      **extra}
-    for strategy, causal, load_balance, extra in itertools.product(("allgather", "alltoall"), (True, False),
-                                                                   (True, False), EXTRAS)
+    for strategy, causal, load_balance, extra in itertools.product(STRATEGIES, (True, False), (True, False), EXTRAS)
 ]
 OPTIONS = ("window", "chunk", "v_dim", "dtype", "documents")
 
@@ -58,30 +60,24 @@ def key(case: dict) -> str:
     return case_id(case)
 
 
+def run_worker(tmp: Path, world: int) -> dict[str, dict]:
+    """{case id: record} of one torchrun of the worker with `world` processes."""
+    out = tmp / "cases.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+         str(WORKER), str(out)],
+        cwd=tmp, env=launch_env(tmp), check=False, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"engine worker, {world} processes, exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return {key(record): record for record in lines} | {"__count__": len(lines)}
+
+
 @pytest.fixture(scope="module")
 def engine_records(tmp_path_factory: pytest.TempPathFactory):
     """world size -> {case id: record}; each world size is launched once, on first use."""
-    runs: dict[int, dict | str] = {}
-
-    def get(world: int) -> dict[str, dict]:
-        if world not in runs:
-            tmp = tmp_path_factory.mktemp(f"engine{world}")
-            out = tmp / "cases.jsonl"
-            proc = subprocess.run(
-                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-                 str(WORKER), str(out)],
-                cwd=tmp, env=launch_env(tmp), check=False, capture_output=True, text=True, timeout=TIMEOUT,
-            )
-            if proc.returncode != 0 or not out.exists():
-                runs[world] = f"engine worker, {world} processes, exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}"
-            else:
-                lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-                runs[world] = {key(record): record for record in lines} | {"__count__": len(lines)}
-        if isinstance(runs[world], str):
-            pytest.fail(runs[world])
-        return runs[world]
-
-    return get
+    return launch_once(tmp_path_factory, "engine", run_worker)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

@@ -25,12 +25,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl
+from launching import REPO, cpctl, launch_once
 
 pytest.importorskip("transformers")
 
 WORKER = REPO / "tests" / "workers" / "hf_zoo.py"
-STRATEGIES = ("allgather", "alltoall")
+STRATEGIES = ("allgather", "alltoall")  # cpctl.attention.Strategy's values, spelled out: no torch at collection
 CASES = ("cp", "hf_loss")
 TOLERANCE = 1e-5  # fp32
 SEQ, CP = 64, 2  # the worker's sequence length; the launches' cp size
@@ -109,19 +109,7 @@ def run_zoo(tmp_path: Path, strategy: str, *worker_args: str, archs: list[str] |
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory: pytest.TempPathFactory):
     """One launch per strategy, on first use, shared by that strategy's tests (a failure too)."""
-    cache: dict[str, dict | BaseException] = {}
-
-    def get(strategy: str) -> dict:
-        if strategy not in cache:
-            try:
-                cache[strategy] = run_zoo(tmp_path_factory.mktemp(f"zoo-{strategy}"), strategy)
-            except (Exception, pytest.fail.Exception) as error:
-                cache[strategy] = error
-        if isinstance(cache[strategy], BaseException):
-            raise cache[strategy]
-        return cache[strategy]
-
-    return get
+    return launch_once(tmp_path_factory, "zoo", run_zoo)
 
 
 def check(record: dict, arch: str, case: str) -> None:

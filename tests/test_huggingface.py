@@ -1,4 +1,4 @@
-"""A Hugging Face model with attn_implementation="sdpa" trains under CP unmodified (SPEC section 3).
+"""A Hugging Face model with attn_implementation="sdpa" trains under CP unmodified (docs/huggingface.md).
 
 transformers builds the model from a tiny config: nothing is downloaded.
 """

@@ -15,30 +15,29 @@ import json
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish
+from launching import REPO, cpctl, finish, launch_once
 
 pytest.importorskip("transformers")
 
+from cpctl.attention import Strategy  # noqa: E402  (after the skip: torch comes with transformers)
+
 WORKER = REPO / "tests" / "workers" / "packed_cases.py"
 TOLERANCE = 1e-5
-RUNS = [(2, "allgather"), (2, "alltoall"), (4, "allgather"), (4, "alltoall")]
+RUNS = [(cp, strategy.value) for cp in (2, 4) for strategy in Strategy]
+
+
+def launch_packed(tmp: Path, cp: int, strategy: str) -> dict:
+    out = tmp / "packed.json"
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", str(cp), "--cp-size", str(cp),
+                                        "--cp-comm-strategy", strategy, str(WORKER), str(out), tmp_path=tmp))
+    assert code == 0, stdout + stderr
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
 def packed_runs(tmp_path_factory: pytest.TempPathFactory):
-    runs: dict = {}
-
-    def get(cp: int, strategy: str) -> dict:
-        if (cp, strategy) not in runs:
-            tmp = tmp_path_factory.mktemp(f"packed{cp}{strategy}")
-            out = tmp / "packed.json"
-            code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", str(cp), "--cp-size", str(cp),
-                                                "--cp-comm-strategy", strategy, str(WORKER), str(out), tmp_path=tmp))
-            assert code == 0, stdout + stderr
-            runs[cp, strategy] = json.loads(out.read_text())
-        return runs[cp, strategy]
-
-    return get
+    """(cp, strategy) -> the worker's results; each launched once, on first use."""
+    return launch_once(tmp_path_factory, "packed", launch_packed)
 
 
 @pytest.mark.parametrize(("cp", "strategy"), RUNS, ids=[f"cp{cp}-{s}" for cp, s in RUNS])

@@ -1,8 +1,8 @@
 """Pure tests of the CP engine's bookkeeping: no processes, no collectives, milliseconds.
 
 Which (query chunk, key/value chunk) pairs the strategies' block plans compute, how a sequence
-is sharded and put back, the length checks, the token helpers, and which masks the SDPA route
-takes for plain causal attention.
+is sharded and put back, the length checks, the token helpers, the strategy names, and what
+the SDPA route takes (plain causal masks, nn.MultiheadAttention) and refuses.
 """
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ import torch
 import torch.nn.functional as F
 
 import cpctl
-from cpctl.attention import allgather, ring
+from cpctl.attention import STRATEGIES, allgather, context_parallel_attention, ring
 from cpctl.attention.dispatch import RouteSDPA, is_causal_mask
 from cpctl.attention.masks import Mask, Visibility, tiles
 from cpctl.attention.plan import Block
 from cpctl.attention.sharding import ChunkLayout, shard, unshard
-from cpctl.attention.spec import AttentionSpec
+from cpctl.attention.spec import AttentionSpec, Strategy
 from cpctl.errors import CpctlError
 
 CP_SIZES = range(1, 9)
@@ -67,7 +67,7 @@ def ring_coverage(cp_size: int, *, load_balance: bool, causal: bool) -> Counter:
         s = spec(cp_size, rank, load_balance=load_balance, causal=causal)
         for step in range(cp_size):  # the ring visits every rank's K/V once
             source = (rank - step) % cp_size
-            pairs += covered(ring._plan(s, source), s.layout.local_chunks, s.layout.chunks_of(source))
+            pairs += covered(ring.plan(s, source), s.layout.local_chunks, s.layout.chunks_of(source))
     return pairs
 
 
@@ -88,12 +88,12 @@ def test_allgather_plans_cover_every_visible_pair_once(cp_size: int, load_balanc
     for rank in range(cp_size):
         s = spec(cp_size, rank, load_balance=load_balance, causal=causal)
         local_chunks = s.layout.local_chunks
-        local, remote = allgather._local_plan(s), allgather._remote_plan(s)
+        local, remote = allgather.local_plan(s), allgather.remote_plan(s)
         # local blocks index this rank's own K/V; remote ones the gathered K/V in sequence order
         remote_pairs = covered(remote, local_chunks, range(s.layout.num_chunks))
         forward += covered(local, local_chunks, local_chunks) + remote_pairs
         # the backward splits the local work into finer blocks; together they must match too
-        fine = allgather._local_plan(s, causal_squares=False)
+        fine = allgather.local_plan(s, causal_squares=False)
         backward += covered(fine, local_chunks, local_chunks) + remote_pairs
     expected = expected_pairs(s.layout.num_chunks, causal=causal)
     assert forward == expected
@@ -104,7 +104,7 @@ def test_a_balanced_rank_computes_its_own_kv_in_one_causal_call() -> None:
     # head-tail shards keep global order locally: chunks (r, 2cp-1-r) are one causal square
     for cp_size in CP_SIZES:
         for rank in range(cp_size):
-            local = allgather._local_plan(spec(cp_size, rank, load_balance=True, causal=True))
+            local = allgather.local_plan(spec(cp_size, rank, load_balance=True, causal=True))
             assert local == [Block(0, 2, 0, 2, causal=True)]
 
 
@@ -116,7 +116,7 @@ def test_balanced_ranks_do_equal_causal_work() -> None:
             pairs: Counter = Counter()
             for step in range(cp_size):
                 source = (rank - step) % cp_size
-                pairs += covered(ring._plan(s, source), s.layout.local_chunks, s.layout.chunks_of(source))
+                pairs += covered(ring.plan(s, source), s.layout.local_chunks, s.layout.chunks_of(source))
             work.append(sum(n * (1.0 if how == "full" else 0.5) for (_, _, how), n in pairs.items()))  # in chunk areas
         assert len(set(work)) == 1, (cp_size, work)
 
@@ -251,6 +251,38 @@ def test_route_takes_a_causal_mask_as_is_causal_and_rejects_others() -> None:
     assert len(calls) == 3
 
 
+def test_multihead_attention_is_routed_without_patching_torch() -> None:
+    sdpa = F.scaled_dot_product_attention
+    unpatched = []
+
+    def engine(q, k, v, *, is_causal, scale, enable_gqa):  # stands in for rt.attention
+        unpatched.append(F.scaled_dot_product_attention is sdpa)  # what another thread would call now
+        return sdpa(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
+    x = torch.randn(2, 5, 8)
+    reference = mha(x, x, x, need_weights=False)[0]
+    with RouteSDPA(engine):
+        routed = mha(x, x, x, need_weights=False)[0]
+        with pytest.raises(CpctlError, match="need_weights=False"):
+            mha(x, x, x)
+    assert unpatched == [True]
+    assert torch.allclose(routed, reference)
+
+
+def test_strategies_are_one_enum_that_takes_plain_names() -> None:
+    assert [s.value for s in Strategy] == ["allgather", "alltoall"]
+    assert STRATEGIES[Strategy("alltoall")] is ring and STRATEGIES[Strategy.ALLGATHER] is allgather
+    assert spec(2, 0, load_balance=True, causal=True).strategy is Strategy.ALLGATHER  # given as "allgather"
+    layout = ChunkLayout(cp_size=2, cp_rank=0, load_balance=True)
+    with pytest.raises(CpctlError, match="cp_comm_strategy 'ring': choose one of allgather, alltoall"):
+        AttentionSpec(group=None, layout=layout, mask=Mask(), scale=1.0, strategy="ring", chunk_len=4)
+    q = torch.zeros(1, 2, 8, 4)
+    with pytest.raises(CpctlError, match="cp_comm_strategy 'ring'"):
+        context_parallel_attention(q, q, q, group=None, layout=layout, strategy="ring")
+
+
 # ------------------------------------------------------------------- windows and chunked attention
 
 
@@ -317,11 +349,11 @@ def test_masked_plans_cover_exactly_the_visible_token_pairs_once(cp_size, load_b
     for rank in range(cp_size):
         s = spec(cp_size, rank, load_balance=load_balance, causal=causal, **mask)
         local = s.layout.local_chunks
-        ring_part = sum(token_pairs(ring._plan(s, source), local, s.layout.chunks_of(source), s)
+        ring_part = sum(token_pairs(ring.plan(s, source), local, s.layout.chunks_of(source), s)
                         for source in range(cp_size))
-        remote = token_pairs(allgather._remote_plan(s), local, range(s.layout.num_chunks), s)
-        gather_part = token_pairs(allgather._local_plan(s), local, local, s) + remote
-        fine_part = token_pairs(allgather._local_plan(s, causal_squares=False), local, local, s) + remote
+        remote = token_pairs(allgather.remote_plan(s), local, range(s.layout.num_chunks), s)
+        gather_part = token_pairs(allgather.local_plan(s), local, local, s) + remote
+        fine_part = token_pairs(allgather.local_plan(s, causal_squares=False), local, local, s) + remote
         ring_count = ring_part if ring_count is None else ring_count + ring_part
         allgather_count = gather_part if allgather_count is None else allgather_count + gather_part
         backward_count = fine_part if backward_count is None else backward_count + fine_part
@@ -394,10 +426,10 @@ def test_cost_balanced_layouts_cover_every_visible_pair_once(cp_size: int, docum
         s = spec(cp_size, rank, load_balance=True, causal=True, documents=documents, chunk_len=chunk_len,
                  assignment=layout.assignment)
         local = s.layout.local_chunks
-        ring_count = ring_count + sum(token_pairs(ring._plan(s, source), local, s.layout.chunks_of(source), s)
+        ring_count = ring_count + sum(token_pairs(ring.plan(s, source), local, s.layout.chunks_of(source), s)
                                       for source in range(cp_size))
-        gather_count = gather_count + token_pairs(allgather._local_plan(s), local, local, s) + token_pairs(
-            allgather._remote_plan(s), local, range(s.layout.num_chunks), s)
+        gather_count = gather_count + token_pairs(allgather.local_plan(s), local, local, s) + token_pairs(
+            allgather.remote_plan(s), local, range(s.layout.num_chunks), s)
     expected = reference_mask(n, causal=True, window=None, chunk=None, documents=documents).long()
     assert torch.equal(ring_count, expected) and torch.equal(gather_count, expected)
 

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish, launch_env
+from launching import REPO, cpctl, finish, launch_env, launch_once
 
 SCRIPT = REPO / "scripts" / "train_llama.py"
 TRAIN_ARGS = ("--preset", "tiny", "--steps", "4", "--seq-len", "64", "--global-batch", "2")
@@ -53,24 +53,20 @@ def untrained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return plain_run(tmp_path_factory.mktemp("train_lr0"), "--lr", "0")
 
 
+def launch_layout(tmp: Path, layout: str) -> dict:
+    """The losses file of one `cpctl launch` of the example in `layout`."""
+    out = tmp / "losses.json"
+    code, stdout, stderr = finish(cpctl("--device", "cpu", *LAYOUTS[layout], str(SCRIPT), *TRAIN_ARGS,
+                                        "--losses-out", str(out), tmp_path=tmp))
+    if code != 0 or not out.exists():
+        pytest.fail(f"cpctl launch {layout} exited {code}:\n{stdout}\n{stderr}")
+    return json.loads(out.read_text())
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory):
     """layout name -> the run's losses file; each layout is launched once, on first use."""
-    runs: dict[str, dict | str] = {}
-
-    def get(layout: str) -> dict:
-        if layout not in runs:
-            tmp = tmp_path_factory.mktemp(f"train_{layout}")
-            out = tmp / "losses.json"
-            code, stdout, stderr = finish(cpctl("--device", "cpu", *LAYOUTS[layout], str(SCRIPT), *TRAIN_ARGS,
-                                                "--losses-out", str(out), tmp_path=tmp))
-            runs[layout] = json.loads(out.read_text()) if code == 0 and out.exists() else \
-                f"cpctl launch {layout} exited {code}:\n{stdout}\n{stderr}"
-        if isinstance(runs[layout], str):
-            pytest.fail(runs[layout])
-        return runs[layout]
-
-    return get
+    return launch_once(tmp_path_factory, "train", launch_layout)
 
 
 def test_the_reference_trains(reference: dict, untrained: dict) -> None:

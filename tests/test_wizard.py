@@ -22,11 +22,11 @@ from rich.console import Console
 from cpctl import config as prof
 from cpctl.errors import CpctlError
 from cpctl.wizard import cross_check, run_config
+from launching import REPO
 from test_profile import resolve_apart
 
 CPU = prof.Machine(cuda_devices=0)
 GPU8 = prof.Machine(cuda_devices=8)
-REPO = Path(__file__).resolve().parents[1]
 ENTER, DOWN, CLEAR, CTRL_C = "\r", "\x1b[B", "\x15", "\x03"
 # device, nnodes, nproc, cp, tp, dp_replicate, dp_shard, strategy, load balance, precision, checkpointing
 QUESTIONS = 11

@@ -28,13 +28,13 @@ from cpctl.attention.sharding import ChunkLayout
 from cpctl.attention.spec import AttentionSpec
 
 
-def _local_plan(spec: AttentionSpec, *, causal_squares: bool = True):
+def local_plan(spec: AttentionSpec, *, causal_squares: bool = True):
     """Blocks over this rank's own K/V (forward: one causal call; backward: finer units)."""
     local = spec.layout.local_chunks
     return plan_blocks(local, local, spec.visibility, causal_squares=causal_squares)
 
 
-def _remote_plan(spec: AttentionSpec):
+def remote_plan(spec: AttentionSpec):
     """Blocks over the gathered K/V in sequence order, skipping the chunks this rank holds."""
     local = spec.layout.local_chunks
     base = spec.visibility
@@ -70,7 +70,7 @@ def _sequence_order(gathered: torch.Tensor, layout: ChunkLayout) -> torch.Tensor
 
 def forward(q, k, v, spec: AttentionSpec):
     chunk_len = q.shape[2] // len(spec.layout.local_chunks)
-    local_blocks, remote_blocks = _local_plan(spec), _remote_plan(spec)
+    local_blocks, remote_blocks = local_plan(spec), remote_plan(spec)
     gathered, request = _post_gather(k, v, spec)
     acc = ForwardAccumulator(q, chunk_len=chunk_len, num_chunks=len(spec.layout.local_chunks))
     forward_blocks(acc, local_blocks, q, k, v, spec=spec)
@@ -85,10 +85,10 @@ def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
     layout = spec.layout
     chunk_len = q.shape[2] // len(layout.local_chunks)
     c = chunk_len
-    remote_blocks = _remote_plan(spec)
+    remote_blocks = remote_plan(spec)
     # The local work in fine blocks: the first ones hide the all-gather, the last one the
     # reduce-scatter of the K/V gradients.
-    local_blocks = _local_plan(spec, causal_squares=False)
+    local_blocks = local_plan(spec, causal_squares=False)
     split = max(1, len(local_blocks) - 1)
     gathered, request = _post_gather(k, v, spec)
 

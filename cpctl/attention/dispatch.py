@@ -8,6 +8,7 @@ only inside the `with` block, only on this thread: nothing process-global is pat
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable
 
 import torch
@@ -16,9 +17,10 @@ from torch.overrides import TorchFunctionMode
 
 from cpctl.errors import CpctlError
 
-# Kept at import: while nn.MultiheadAttention runs under CP the module attribute is swapped.
 _SDPA = F.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
+# nn.MultiheadAttention's functional form calls SDPA through this module-level name.
+_MHA_SDPA_NAME = "scaled_dot_product_attention"
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 
@@ -99,11 +101,13 @@ class RouteSDPA(TorchFunctionMode):
                               enable_gqa=bool(call["enable_gqa"]))
 
     def _multi_head_attention(self, func, args, kwargs):
-        """nn.MultiheadAttention (and so nn.Transformer*) under CP.
+        """nn.MultiheadAttention (and so nn.TransformerEncoderLayer) under CP.
 
-        Its functional form reaches this mode as one call, and its own inner SDPA call would
-        then run unrouted (attending to local tokens only). Run it with the module-level SDPA
-        it looks up pointed at this routing, for the duration of the call.
+        Its functional form reaches this mode as one call, and the mode is off while it
+        handles a call, so the inner SDPA call would run unrouted (attending to local tokens
+        only); re-entering the mode would hand this same call back to it, forever. So the
+        function's own code runs here with private globals in which its SDPA name is this
+        routing: one function object per call, nothing shared is changed.
         """
         call = inspect.signature(_MHA).bind(*args, **kwargs)
         call.apply_defaults()
@@ -112,8 +116,16 @@ class RouteSDPA(TorchFunctionMode):
                 "nn.MultiheadAttention with need_weights=True under context parallelism computes attention "
                 "weights without SDPA and cannot be sharded; call it with need_weights=False"
             )
-        F.scaled_dot_product_attention = lambda *a, **k: self.__torch_function__(_SDPA, (), a, k)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            F.scaled_dot_product_attention = _SDPA
+        if _MHA_SDPA_NAME not in func.__code__.co_names:  # a torch whose MHA reaches SDPA another way
+            raise CpctlError(
+                f"nn.MultiheadAttention of torch {torch.__version__} does not call scaled_dot_product_attention "
+                "by name; cpctl cannot route it under context parallelism"
+            )
+
+        def routed(*a, **k):
+            return self.__torch_function__(_SDPA, (), a, k)
+
+        routed_mha = types.FunctionType(func.__code__, {**func.__globals__, _MHA_SDPA_NAME: routed},
+                                        func.__name__, func.__defaults__, func.__closure__)
+        routed_mha.__kwdefaults__ = func.__kwdefaults__
+        return routed_mha(*call.args, **call.kwargs)

@@ -16,10 +16,10 @@ from cpctl.attention import allgather, ring
 from cpctl.attention.kernels import seq_major
 from cpctl.attention.masks import Mask
 from cpctl.attention.sharding import ChunkLayout
-from cpctl.attention.spec import AttentionSpec
+from cpctl.attention.spec import AttentionSpec, Strategy
 from cpctl.errors import CpctlError
 
-STRATEGIES = {"allgather": allgather, "alltoall": ring}
+STRATEGIES = {Strategy.ALLGATHER: allgather, Strategy.ALLTOALL: ring}
 
 
 class _ContextParallelAttention(torch.autograd.Function):
@@ -79,7 +79,7 @@ def context_parallel_attention(
     *,
     group: dist.ProcessGroup,
     layout: ChunkLayout,
-    strategy: str = "allgather",
+    strategy: Strategy | str = Strategy.ALLGATHER,
     is_causal: bool = False,
     scale: float | None = None,
     enable_gqa: bool = False,
@@ -93,8 +93,7 @@ def context_parallel_attention(
     document) narrow what each query sees (see `masks.Mask`); blocks they hide are skipped,
     not computed and masked.
     """
-    if strategy not in STRATEGIES:
-        raise CpctlError(f"cp_comm_strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    strategy = Strategy.parse(strategy)
     check_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)
     rows = _document_rows(documents, batch=q.shape[0])
     if len(set(rows)) > 1:  # rows packed differently: each its own plan

@@ -11,6 +11,7 @@ LSE is normalised to fp32 of shape (batch, heads, seq_q); kernels that want anot
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 from typing import Callable
@@ -28,71 +29,86 @@ class Kernel:
     backward: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
+# Every kernel below runs without dropout: CP attention has none (RouteSDPA refuses
+# dropout_p > 0, and neither `Kernel.forward` nor `Kernel.backward` takes a dropout
+# argument), so each aten call gets NO_DROPOUT and nothing else.
+NO_DROPOUT = 0.0
+
 # ----------------------------------------------------------------------------- CPU flash
 
 
 def _cpu_forward(q, k, v, *, causal: bool, scale: float):
-    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, NO_DROPOUT, causal, scale=scale)
     return out, lse
 
 
 def _cpu_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, causal, scale=scale
+        dout, q, k, v, out, lse, NO_DROPOUT, causal, scale=scale
     )
 
 
 # ----------------------------------------------------------------------------- CUDA kernels
 
-# Each CUDA backward takes auxiliary outputs of its forward (RNG state, varlen offsets) that
-# are placeholders without dropout or nesting; keep the first ones each forward returned.
-_aux: dict[tuple[str, int | None], tuple] = {}
+# Each CUDA backward op also takes auxiliary outputs of its forward: the dropout RNG state
+# (read only when dropout_p > 0) and cumulative sequence lengths (only for nested/varlen
+# inputs; for dense ones the forward returns None and the backward takes None). A block's
+# backward is not paired with one forward call (it gets the merged out and LSE of the whole
+# row), so each backward builds its own placeholders for the no-dropout case rather than
+# keep any forward's. Without dropout the forwards return (torch 2.11, H200): cuDNN and the
+# efficient kernel one int64 scalar each for seed and offset (efficient: on the CPU), flash
+# a (2,) uint64 RNG state and an unused uint64 scalar; the placeholders below are zeros on
+# the kernel's device. `verify` runs every backward with them against autograd SDPA before a
+# kernel is used.
+
+
+def _long_scalars(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's and the efficient kernel's (philox_seed, philox_offset) without dropout."""
+    return torch.zeros((), dtype=torch.long, device=device), torch.zeros((), dtype=torch.long, device=device)
+
+
+def _flash_rng(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flash kernel's (rng_state, unused) without dropout."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
 
 
 def _cudnn_forward(q, k, v, *, causal: bool, scale: float):
-    out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(
-        q, k, v, None, True, 0.0, causal, False, scale=scale
-    )
-    _aux.setdefault(("cudnn", q.device.index), (seed, offset, cum_q, cum_k))
+    out, lse, *_ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, NO_DROPOUT, causal, False, scale=scale)
     return out, lse.view(lse.shape[0], lse.shape[1], lse.shape[2])  # cuDNN's LSE is (B, H, S, 1)
 
 
 def _cudnn_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
-    seed, offset, cum_q, cum_k = _aux[("cudnn", q.device.index)]
+    seed, offset = _long_scalars(q.device)
     return aten._scaled_dot_product_cudnn_attention_backward(
-        dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, cum_q, cum_k,
-        q.shape[2], k.shape[2], 0.0, causal, scale=scale,
+        dout, q, k, v, out, lse.unsqueeze(-1), seed, offset, None, None, None,
+        q.shape[2], k.shape[2], NO_DROPOUT, causal, scale=scale,
     )
 
 
 def _flash_forward(q, k, v, *, causal: bool, scale: float):
-    out, lse, cum_q, cum_k, _, _, seed, offset, _ = aten._scaled_dot_product_flash_attention(
-        q, k, v, 0.0, causal, False, scale=scale
-    )
-    _aux.setdefault(("flash", q.device.index), (seed, offset, cum_q, cum_k))
+    out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, NO_DROPOUT, causal, False, scale=scale)
     return out, lse
 
 
 def _flash_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
-    seed, offset, cum_q, cum_k = _aux[("flash", q.device.index)]
+    rng_state, unused = _flash_rng(q.device)
     return aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, cum_q, cum_k, q.shape[2], k.shape[2], 0.0, causal, seed, offset,
+        dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], NO_DROPOUT, causal, rng_state, unused,
         scale=scale,
     )
 
 
 def _efficient_forward(q, k, v, *, causal: bool, scale: float):
-    out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
-    _aux.setdefault(("efficient", q.device.index), (seed, offset))
+    out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, NO_DROPOUT, causal, scale=scale)
     return out, lse[:, :, : q.shape[2]]  # the kernel pads LSE's seq dim to a multiple of 32
 
 
 def _efficient_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
-    seed, offset = _aux[("efficient", q.device.index)]
+    seed, offset = _long_scalars(q.device)
     padded = (q.shape[2] + 31) // 32 * 32
     lse_padded = torch.nn.functional.pad(lse, (0, padded - lse.shape[2]))
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        dout, q, k, v, None, out, lse_padded, seed, offset, 0.0, [True, True, True, False], causal,
+        dout, q, k, v, None, out, lse_padded, seed, offset, NO_DROPOUT, [True, True, True, False], causal,
         scale=scale,
     )
     return dq, dk, dv
@@ -105,18 +121,26 @@ KERNELS = {
     "efficient": Kernel("efficient", _efficient_forward, _efficient_backward),
 }
 
-# cuDNN is 1.7x faster than flash on H200 (shared/MEASURED.md); fall back in this order.
+# cuDNN ran 1.7x faster than flash on H100/H200 (docs/runtime.md); fall back in this order.
 CUDA_PREFERENCE = ("cudnn", "flash", "efficient")
-_forced: str | None = None
+_pinned: str | None = None
 
 
-def force_kernel(name: str | None) -> None:
-    """Pin the CUDA kernel (benchmarks compare them); None returns to automatic choice."""
+@contextlib.contextmanager
+def pinned_kernel(name: str | None):
+    """Inside: every CP block on CUDA uses kernel `name` (benchmarks compare them); None: the automatic choice.
+
+    The pin holds for the whole process while the block runs, backward passes included
+    (autograd runs those on its own threads), and is undone on exit.
+    """
     if name is not None and name not in KERNELS:
         raise ValueError(f"unknown kernel {name!r}; choose one of {', '.join(KERNELS)}")
-    global _forced
-    _forced = name
-    _probe.cache_clear()
+    global _pinned
+    before, _pinned = _pinned, name
+    try:
+        yield
+    finally:
+        _pinned = before
 
 
 def kernel_for(q: torch.Tensor) -> Kernel:
@@ -124,24 +148,29 @@ def kernel_for(q: torch.Tensor) -> Kernel:
         return KERNELS["cpu_flash"]
     if q.device.type != "cuda":
         raise NotImplementedError(f"cpctl CP attention runs on cpu and cuda, not {q.device.type}")
-    return _probe(q.dtype, q.shape[-1], q.device.index)
+    names = (_pinned,) if _pinned else CUDA_PREFERENCE
+    return _first_working(names, q.dtype, q.shape[-1], q.device.index)
 
 
 @functools.lru_cache(maxsize=None)
-def _probe(dtype: torch.dtype, head_dim: int, device_index: int | None) -> Kernel:
-    """The first CUDA kernel whose forward and backward match autograd SDPA on a small block.
-
-    Checking the gradients, not only that the call runs, guards against private-op
-    signatures that shift between torch releases.
-    """
-    names = (_forced,) if _forced else CUDA_PREFERENCE
+def _first_working(names: tuple[str, ...], dtype: torch.dtype, head_dim: int, device_index: int | None) -> Kernel:
     failures = []
     for name in names:
-        problem = verify(KERNELS[name], device=torch.device("cuda", device_index), dtype=dtype, head_dim=head_dim)
+        problem = _problem(name, dtype, head_dim, device_index)
         if problem is None:
             return KERNELS[name]
         failures.append(f"{name}: {problem}")
     raise RuntimeError("no fused attention kernel works here: " + "; ".join(failures))
+
+
+@functools.lru_cache(maxsize=None)
+def _problem(name: str, dtype: torch.dtype, head_dim: int, device_index: int | None) -> str | None:
+    """`verify` of one CUDA kernel, once per dtype, head size and device.
+
+    Checking the gradients, not only that the call runs, guards against private-op
+    signatures that shift between torch releases.
+    """
+    return verify(KERNELS[name], device=torch.device("cuda", device_index), dtype=dtype, head_dim=head_dim)
 
 
 def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -242,7 +271,7 @@ def window_forward(q, k, v, *, left: int, right: int, scale: float):
     lk = k.shape[2]
     out, lse, _, _, _ = aten._flash_attention_forward(
         _rows_as_sequences(q), _rows_as_sequences(k), _rows_as_sequences(v), _offsets(b, lq, q.device),
-        _offsets(b, lk, q.device), lq, lk, 0.0, False, False, scale=scale, window_size_left=left,
+        _offsets(b, lk, q.device), lq, lk, NO_DROPOUT, False, False, scale=scale, window_size_left=left,
         window_size_right=right)
     return out.view(b, lq, h, d).transpose(1, 2), lse.view(h, b, lq).transpose(0, 1)
 
@@ -250,11 +279,11 @@ def window_forward(q, k, v, *, left: int, right: int, scale: float):
 def window_backward(dout, q, k, v, out, lse, *, left: int, right: int, scale: float):
     b, h, lq, d = q.shape
     lk = k.shape[2]
-    no_rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout
+    rng_state, unused = _flash_rng(q.device)
     dq, dk, dv = aten._flash_attention_backward(
         _rows_as_sequences(dout), _rows_as_sequences(q), _rows_as_sequences(k), _rows_as_sequences(v),
         _rows_as_sequences(out), lse.transpose(0, 1).reshape(h, b * lq).contiguous(), _offsets(b, lq, q.device),
-        _offsets(b, lk, q.device), lq, lk, 0.0, False, no_rng, torch.empty(0, device=q.device), scale=scale,
+        _offsets(b, lk, q.device), lq, lk, NO_DROPOUT, False, rng_state, unused, scale=scale,
         window_size_left=left, window_size_right=right)
     return (dq.view(b, lq, h, d).transpose(1, 2), dk.view(b, lk, h, d).transpose(1, 2),
             dv.view(b, lk, h, d).transpose(1, 2))

@@ -25,7 +25,8 @@ from cpctl.attention.plan import plan_blocks
 from cpctl.attention.spec import AttentionSpec
 
 
-def _plan(spec: AttentionSpec, source_rank: int):
+def plan(spec: AttentionSpec, source_rank: int):
+    """Blocks of this rank's queries over the K/V that `source_rank` holds (one ring step)."""
     return plan_blocks(spec.layout.local_chunks, spec.layout.chunks_of(source_rank), spec.visibility)
 
 
@@ -43,7 +44,7 @@ def forward(q, k, v, spec: AttentionSpec):
     kv = stack_kv(k, v)
     for step in range(ring.size):
         incoming, requests = _shift(ring, kv) if step < ring.size - 1 else (kv, [])
-        forward_blocks(acc, _plan(spec, (ring.rank - step) % ring.size), q, kv[0], kv[1], spec=spec)
+        forward_blocks(acc, plan(spec, (ring.rank - step) % ring.size), q, kv[0], kv[1], spec=spec)
         wait_all(requests)
         kv = incoming
     return acc.result(q.dtype)
@@ -62,7 +63,7 @@ def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
         kv_next, kv_requests = _shift(ring, kv) if step < ring.size - 1 else (kv, [])
         dkv = empty_seq_major(kv.shape, like=kv)
         dkv_sink = ChunkSink(seq_chunks(dkv[0], dkv[1], chunk_len=c), num_chunks=num_chunks, chunk_len=c)
-        backward_blocks(_plan(spec, (ring.rank - step) % ring.size), dout=dout, q=q, k=kv[0], v=kv[1],
+        backward_blocks(plan(spec, (ring.rank - step) % ring.size), dout=dout, q=q, k=kv[0], v=kv[1],
                         out=out, lse=lse, dq=dq, dkv=dkv_sink, chunk_len=c, spec=spec)
         dkv_sink.zero_unwritten()
         if step == 0:

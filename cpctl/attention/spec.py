@@ -10,6 +10,7 @@ import torch.distributed as dist
 from cpctl.attention.masks import Mask, Visibility
 from cpctl.attention.plan import mask_visibility
 from cpctl.attention.sharding import ChunkLayout
+from cpctl.strategy import Strategy
 
 
 @dataclass(frozen=True)
@@ -18,8 +19,11 @@ class AttentionSpec:
     layout: ChunkLayout
     mask: Mask
     scale: float
-    strategy: str  # "allgather" | "alltoall"
+    strategy: Strategy
     chunk_len: int  # tokens per chunk of the layout
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "strategy", Strategy.parse(self.strategy))
 
     @property
     def seq_len(self) -> int:

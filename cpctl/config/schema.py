@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpctl.errors import CpctlError
+from cpctl.strategy import Strategy
 
 AUTO = "auto"
 PROFILE_VERSION = 1
-STRATEGIES = ("allgather", "alltoall")  # the values of cpctl.attention.spec.Strategy (torch-free here)
+STRATEGIES = tuple(strategy.value for strategy in Strategy)
 PRECISIONS = ("bf16", "fp16", "no")
 CPU_DEFAULT_NPROC = 2
 

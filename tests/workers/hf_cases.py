@@ -39,7 +39,7 @@ def main() -> None:
     ref_logits = reference(input_ids=ids).logits
     F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
 
-    # The CP step, as SPEC section 3 writes it.
+    # The CP step, as README.md's training loop writes it.
     pos = cpctl.position_ids_like(ids)
     with rt.maybe_context_parallel(buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1],
                                    no_restore_buffers={ids, labels, pos}):

@@ -1,4 +1,4 @@
-"""Worker for tests/test_runtime.py: the runtime API of SPEC section 3, measured in real processes.
+"""Worker for tests/test_runtime.py: the runtime API (docs/runtime.md), measured in real processes.
 
     cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 tests/workers/runtime_cases.py OUT.json
     python tests/workers/runtime_cases.py OUT.json        # a world of one: cp 1, everything a no-op
