@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+import typer.core
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -29,7 +30,28 @@ from cpctl.config.schema import KEYS, Key
 if TYPE_CHECKING:
     from cpctl.launcher import Plan
 
+class _Switches:
+    """Help that shows no `<bool>` type after a plain switch (typer prints one, even for --help)."""
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class _Group(_Switches, typer.core.TyperGroup):
+    pass
+
+
+class _Command(_Switches, typer.core.TyperCommand):
+    pass
+
+
+SWITCH = {"metavar": ""}  # typer.Option(...) keywords of a plain on/off switch
+
 app = typer.Typer(
+    cls=_Group,
     name="cpctl",
     help="Context parallelism for PyTorch long-sequence training, as one flag.",
     no_args_is_help=True,
@@ -107,7 +129,10 @@ def user_errors() -> Iterator[None]:
 
 def _suggest_flag(text: str) -> str:
     known = [spec.flag for spec in PROFILE_FLAGS] + ["--config", "--profile", "--dry-run", "--module"]
-    close = difflib.get_close_matches(text.split("=")[0], known, n=1, cutoff=0.6)
+    name = text.split("=")[0]
+    # an abbreviation (`--nproc`) means the option it starts; else the closest spelling
+    started = [flag for flag in known if flag.startswith(name)] if len(name) > 3 else []
+    close = started[:1] if len(started) == 1 else difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else "; see cpctl launch --help"
 
 
@@ -120,7 +145,7 @@ def _show_version(value: bool) -> None:
 @app.callback()
 def _root(
     version: Annotated[
-        bool, typer.Option("--version", help="Show the version and exit.", is_eager=True, callback=_show_version)
+        bool, typer.Option("--version", help="Show the version and exit.", is_eager=True, callback=_show_version, **SWITCH)
     ] = False,
 ) -> None:
     """Context parallelism for PyTorch long-sequence training, as one flag."""
@@ -140,12 +165,12 @@ ProfileOption = Annotated[
 # ----------------------------------------------------------------------------- commands
 
 
-@app.command()
+@app.command(cls=_Command)
 @profile_flags
 def config(
     *,
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the profile.")] = Path("cpctl.yaml"),
-    yes: Annotated[bool, typer.Option("--yes", "-y", help="Take defaults and flags without asking (also when there is no TTY).")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Take defaults and flags without asking (also when there is no TTY).", **SWITCH)] = False,
     flags: dict[str, str],
 ) -> None:
     """Write a profile with an interactive wizard (questionary). Flags preset answers."""
@@ -157,6 +182,7 @@ def config(
 
 
 @app.command(
+    cls=_Command,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False},
 )
 @profile_flags
@@ -164,10 +190,10 @@ def launch(
     *,
     script: Annotated[str | None, typer.Argument(metavar="SCRIPT", help="Training script (a module name with -m).", show_default=False)] = None,
     args: Annotated[list[str] | None, typer.Argument(metavar="ARGS", help="Passed to the script unchanged.", show_default=False)] = None,
-    module: Annotated[bool, typer.Option("--module", "-m", help="SCRIPT is a module name, run as `python -m`.")] = False,
+    module: Annotated[bool, typer.Option("--module", "-m", help="SCRIPT is a module name, run as `python -m`.", **SWITCH)] = False,
     config: ConfigOption = None,
     profile: ProfileOption = None,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved profile, mesh layout and worker command; spawn nothing.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved profile, mesh layout and worker command; spawn nothing.", **SWITCH)] = False,
     flags: dict[str, str],
 ) -> None:
     """Validate the profile, then start the workers with torchrun (PyTorch's elastic agent).
@@ -176,7 +202,7 @@ def launch(
     SCRIPT, and everything after `--`, goes to the script.
     """
     from cpctl import launcher
-    from cpctl.config import resolve
+    from cpctl.config import preview, resolve
 
     with user_errors():
         if script is None:
@@ -188,15 +214,19 @@ def launch(
             taken = [spec.flag for spec in PROFILE_FLAGS if spec.path in trailing] + (["--dry-run"] if trailing_dry_run else [])
             _stderr().print(f"[dim]note: {escape(', '.join(taken))} after the script taken as cpctl options; "
                             "script options of the same name go after --[/]", soft_wrap=True)
-        resolved = resolve(flags={**flags, **trailing}, config=config, profile_name=profile)
-        plan = launcher.prepare(resolved, target=script, target_args=script_args, module=module)
-        if dry_run or trailing_dry_run:
-            _print_plan(plan)
+        given = dict(flags=flags | trailing, config=config, profile_name=profile)
+        if dry_run or trailing_dry_run:  # shown as on the profile's own machine, whatever this one has
+            shown = preview(**given)
+            plan = launcher.prepare(shown.resolved, target=script, target_args=script_args, module=module)
+            _print_plan(plan, target=shown.target, problem_here=shown.problem_here)
             return
+        resolved = resolve(**given)
+        plan = launcher.prepare(resolved, target=script, target_args=script_args, module=module)
+        _note_without_cp(resolved.profile)
         launcher.launch(plan)
 
 
-@app.command()
+@app.command(cls=_Command)
 @profile_flags
 def check(
     *,
@@ -208,6 +238,7 @@ def check(
             "--static",
             help="Validate the profile as on the machine it is written for (a cuda profile gets the GPUs it asks for); "
             "skip the device and backend probes. For CI on CPU-only boxes.",
+            **SWITCH,
         ),
     ] = False,
     flags: dict[str, str],
@@ -231,7 +262,7 @@ def check(
         raise typer.Exit(2)
 
 
-@app.command()
+@app.command(cls=_Command)
 def env() -> None:
     """Versions, devices, backends and the active default profile."""
     from cpctl import envinfo
@@ -257,13 +288,23 @@ def env() -> None:
 # ----------------------------------------------------------------------------- dry run
 
 
-def _print_plan(plan: Plan) -> None:
+def _note_without_cp(profile) -> None:
+    """CP is what cpctl is for: a launch without it says so first."""
+    if profile.parallelism.cp_size == 1:
+        _stdout().print("[yellow]note:[/] cp_size 1: no context parallelism, each rank holds whole sequences "
+                        "(pass --cp-size N, or a profile such as --profile cpu-try)", soft_wrap=True)
+
+
+def _print_plan(plan: Plan, *, target: str, problem_here: str | None) -> None:
     from cpctl.envinfo import describe
     from cpctl.layout import MESH_AXES, mesh_table
 
     out = _stdout()
     resolved = plan.resolved
-    out.print("[bold]Resolved profile[/] (highest source wins: flag > env > SLURM > --config/--profile > ./cpctl.yaml > user default > default)", soft_wrap=True)
+    _note_without_cp(resolved.profile)
+    out.print(f"[bold]Resolved profile[/] as on {escape(target)} "
+              "(highest source wins: flag > env > SLURM > --config/--profile > ./cpctl.yaml > user default > default)",
+              soft_wrap=True)
     profile_table = Table(show_edge=False)
     for column in ("key", "value", "source"):
         profile_table.add_column(column, overflow="fold")
@@ -307,6 +348,8 @@ def _print_plan(plan: Plan) -> None:
         "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.[/]",
         soft_wrap=True,
     )
+    if problem_here is not None:
+        out.print(f"[yellow]Here it would not launch:[/] {escape(problem_here)}", soft_wrap=True)
 
 
 # cpctl options that may also follow SCRIPT (`cpctl launch train.py --cp-size 8` works as written). --config

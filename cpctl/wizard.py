@@ -95,14 +95,15 @@ class _Asker:
         self.answers = answers
         self.machine = machine
         self.interactive = interactive
+        self.origins = {path: f"flag {KEYS[path].flag}" for path in answers}  # where each answer came from
         self.q: Any = None
         if interactive:
             import questionary  # here only: `cpctl --help` stays fast
 
             self.q = questionary
 
-    def text(self, path: str, hint: str = "", *, default: Any) -> None:
-        if self._settled(path, default):
+    def text(self, path: str, hint: str = "", *, default: Any, why: str | None = None) -> None:
+        if self._settled(path, default, why):
             return
         message = KEYS[path].spec.prompt + (f" ({hint})" if hint else "")
 
@@ -112,6 +113,7 @@ class _Asker:
         shown = "" if default is None else str(default)
         text = self.q.text(message, default=shown, validate=validate).unsafe_ask()
         self.answers[path] = parse_answer(path, text, answers=self.answers, machine=self.machine)[0]
+        self.origins[path] = "answer"
 
     def select(self, path: str, *, default: Any, extra: Mapping[Any, str] | None = None) -> None:
         if self._settled(path, default):
@@ -123,11 +125,13 @@ class _Asker:
         options = [self.q.Choice(title=choices[value], value=value) for value in allowed]
         default = default if default in allowed else allowed[0]
         self.answers[path] = self.q.select(message, choices=options, default=default).unsafe_ask()
+        self.origins[path] = "answer"
 
     def confirm(self, path: str, *, default: bool) -> None:
         if self._settled(path, default):
             return
         self.answers[path] = self.q.confirm(KEYS[path].spec.prompt, default=default).unsafe_ask()
+        self.origins[path] = "answer"
 
     def ask(self, path: str) -> None:
         """A key with no question of its own in the order below: by its kind, from its declaration."""
@@ -139,7 +143,7 @@ class _Asker:
         else:
             self.text(path, default=spec.default)
 
-    def _settled(self, path: str, default: Any) -> bool:
+    def _settled(self, path: str, default: Any, why: str | None = None) -> bool:
         """True when `path` needs no question: given as a flag, or (not interactive) its default.
 
         Without questions, defaults are taken as they are; the whole is checked at the end, so
@@ -150,6 +154,8 @@ class _Asker:
         if self.interactive:
             return False
         self.answers[path] = default
+        declared = KEYS[path].default
+        self.origins[path] = "default" if default == declared else (why or "chosen to fit the other values")
         return True
 
 
@@ -179,19 +185,21 @@ def _ask_all(ask: _Asker) -> None:
         nproc_candidates = [config.CPU_DEFAULT_NPROC, *range(config.CPU_DEFAULT_NPROC + 1, 65), 1]
         hint = f"auto = {config.CPU_DEFAULT_NPROC} on cpu"
     ask.text("launch.nproc_per_node", hint,
-             default=_first_fitting("launch.nproc_per_node", nproc_candidates, answers=answers, machine=machine))
+             default=_first_fitting("launch.nproc_per_node", nproc_candidates, answers=answers, machine=machine),
+             why="the fewest processes per machine that fit the sizes given")
 
     filled = _filled(answers, machine)[0]
     world, nproc = world_size(filled), filled["launch.nproc_per_node"]
-    # CP inside one machine by default: the largest size that fits, as the shipped cp8 profiles.
-    cp_candidates = list(range(nproc, 0, -1)) if isinstance(nproc, int) else [1]
-    ask.text("parallelism.cp_size", f"world size {world}",
-             default=_first_fitting("parallelism.cp_size", cp_candidates, answers=answers, machine=machine))
+    # The declared default (1, no CP) as everywhere else; the question says how far CP can go here.
+    most = f"up to {nproc} on one machine" if isinstance(nproc, int) else "up to the processes per machine"
+    ask.text("parallelism.cp_size", f"1 = no context parallelism, {most}; world size {world}",
+             default=KEYS["parallelism.cp_size"].default)
     ask.text("parallelism.tp_size", default=1)
     ask.text("parallelism.dp_replicate_size", default=1)
     others = answers["parallelism.dp_replicate_size"] * answers["parallelism.cp_size"] * answers["parallelism.tp_size"]
     shards = world // others if world and world % others == 0 else AUTO
-    ask.text("parallelism.dp_shard_size", f"world {world} / (dp_replicate * cp * tp) = {shards}", default=shards)
+    ask.text("parallelism.dp_shard_size", f"world {world} / (dp_replicate * cp * tp) = {shards}", default=shards,
+             why=f"world {world} / (dp_replicate * cp * tp)")
 
     if answers["parallelism.cp_size"] > 1:  # meaningless without CP: not asked, not written
         ask.select("parallelism.cp_comm_strategy", default="allgather")
@@ -269,14 +277,17 @@ def _shown(value: Any) -> str:
     return "null" if value is None else str(value)
 
 
-def summary_table(answers: Answers, resolved: config.Resolved, *, output: Path) -> Table:
+def summary_table(answers: Answers, origins: Mapping[str, str], resolved: config.Resolved, *,
+                  output: Path) -> Table:
     table = Table(title=f"cpctl profile: {output}", title_justify="left")
     table.add_column("key", style="cyan")
     table.add_column("value")
+    table.add_column("from")
     for path in KEYS:
         if path in answers and path != "version":
             value, final = answers[path], resolved.profile.get(path)
-            table.add_row(path, _shown(value) + (f" (here: {_shown(final)})" if value != final else ""))
+            table.add_row(path, _shown(value) + (f" (here: {_shown(final)})" if value != final else ""),
+                          origins.get(path, ""))
     return table
 
 
@@ -339,7 +350,7 @@ def run_config(
     text = profile_yaml(answers, output=output)
     resolved = _validated(text, answers=answers, machine=machine, given=flags if not interactive else {})
     _write(output, text)
-    console.print(summary_table(answers, resolved, output=output))
+    console.print(summary_table(answers, ask.origins, resolved, output=output))
     console.print(Text(f"Wrote {output}. Launch with:"))
     console.print(Text("  " + launch_command(output), style="bold"))
     return EXIT_WRITTEN

@@ -63,6 +63,9 @@ def main(argv=None):
     if args.global_batch % rt.dp_size:
         raise SystemExit(f"--global-batch {args.global_batch} must be divisible by the dp size {rt.dp_size}")
     cfg = PRESETS[args.preset]
+    if rt.is_main:  # a large preset takes a while to build and shard: say what is happening
+        print(f"cpctl: building the {args.preset} model and sharding it over {rt.world_size} ranks ...", flush=True)
+    built = time.perf_counter()
     torch.manual_seed(args.seed)  # the same initial weights on every rank and in every layout
     model = Llama(cfg)
     n_params = sum(p.numel() for p in model.parameters())
@@ -73,7 +76,8 @@ def main(argv=None):
     loader = rt.prepare_dataloader(data, batch_size=args.global_batch // rt.dp_size, shuffle=False)
     if rt.is_main:
         print(f"cpctl: world {rt.world_size} (dp {rt.dp_size} x cp {rt.cp_size}), {rt.config.parallelism.cp_comm_strategy}, "
-              f"device {rt.device.type}, {n_params:,} parameters",
+              f"device {rt.device.type}, {n_params:,} parameters (ready in {time.perf_counter() - built:.1f} s); "
+              f"{args.steps} steps of {args.global_batch} x {args.seq_len} tokens",
               flush=True)
     losses = []
     start = time.perf_counter()
@@ -81,9 +85,12 @@ def main(argv=None):
         step_start = time.perf_counter()
         loss = train_step(rt, model, optimizer, batch["input_ids"]).item()
         losses.append(loss)
-        tokens_per_s = args.global_batch * args.seq_len / (time.perf_counter() - step_start)
+        seconds = time.perf_counter() - step_start
+        tokens_per_s = args.global_batch * args.seq_len / seconds
         if rt.is_main:
-            print(f"step {step:3d}  loss {loss:.4f}  {tokens_per_s:,.0f} tokens/s", flush=True)
+            label, peak = peak_memory_gib(rt.device)
+            print(f"step {step:3d}  loss {loss:.4f}  {seconds:.2f} s  {tokens_per_s:,.0f} tokens/s  "
+                  f"{label} {peak:.2f} GiB", flush=True)
     elapsed = time.perf_counter() - start
     label, peak = peak_memory_gib(rt.device)
     print(f"rank {rt.rank}: {label} {peak:.2f} GiB; {len(losses) * args.global_batch * args.seq_len / elapsed:,.0f} "

@@ -63,6 +63,11 @@ def write(path: Path, text: str) -> Path:
 # ----------------------------------------------------------------------------- help, version, imports
 
 
+def test_help_shows_no_type_after_plain_switches() -> None:
+    for args in (["--help"], ["launch", "--help"], ["config", "--help"], ["check", "--help"]):
+        assert "<bool>" not in cpctl(*args).stdout, args
+
+
 def test_help_lists_the_commands() -> None:
     result = cpctl("--help")
     assert result.exit_code == 0
@@ -141,10 +146,11 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
          ["dp_replicate(1) * dp_shard(2) * cp(2) * tp(1) = 4 != world size 8", "set dp_shard_size: 4"]),
         (["--cp-size", "2", "--fsdp-version", "1"], ["context parallelism needs fsdp.version: 2"]),
         (["--cp-size", "2", "--attention", "eager"], ["context parallelism needs attention: sdpa"]),
-        (["--device", "cuda", "--nproc-per-node", "2"], ["launch.device is cuda but no GPU is visible", "--device cpu"]),
         (["--nnodes", "2"], ["pass --rdzv-endpoint HOST:PORT"]),
         (["--profile", "cpu-tri"], ["no such profile; did you mean cpu-try?"]),
         (["--cp-sise", "2"], ["--cp-sise: unknown option; did you mean --cp-size?"]),
+        (["--nproc", "2"], ["--nproc: unknown option; did you mean --nproc-per-node?"]),  # an abbreviation
+        (["--profile", "./configs/cpu-try.yaml"], ["--profile takes a profile's name", "use --config ./configs/cpu-try.yaml"]),
     ],
     ids=lambda value: value[0] if isinstance(value, list) and value and value[0].startswith("--") else None,
 )
@@ -152,10 +158,26 @@ def test_bad_flags(script: Path, args: list[str], fragments: list[str]) -> None:
     assert_one_line_error(cpctl("launch", "--dry-run", *args, "train.py"), *fragments)
 
 
-def test_too_few_gpus(script: Path) -> None:
-    result = cpctl("launch", "--dry-run", "--device", "cuda", "--nproc-per-node", "4", "train.py",
-                   env={"CUDA_VISIBLE_DEVICES": "0,1"})
-    assert_one_line_error(result, "4 workers but 2 GPUs visible; use --nproc-per-node 2 or fewer")
+def test_a_launch_without_cp_says_so_first(script: Path) -> None:
+    without = cpctl("launch", "--dry-run", "--device", "cpu", "train.py")
+    assert without.exit_code == 0 and without.stdout.startswith("note: cp_size 1: no context parallelism")
+    with_cp = cpctl("launch", "--dry-run", "--device", "cpu", "--cp-size", "2", "train.py")
+    assert with_cp.exit_code == 0 and "no context parallelism" not in with_cp.stdout
+
+
+@pytest.mark.parametrize(("visible", "fragments"), [
+    ("", ["launch.device is cuda but no GPU is visible", "--device cpu"]),
+    ("0,1", ["4 workers but 2 GPUs visible; use --nproc-per-node 2 or fewer"]),
+])
+def test_a_gpu_profile_is_previewed_anywhere_but_launched_only_where_it_fits(script: Path, visible: str,
+                                                                             fragments: list[str]) -> None:
+    args = ("--device", "cuda", "--nproc-per-node", "4", "train.py")
+    preview = cpctl("launch", "--dry-run", *args, env={"CUDA_VISIBLE_DEVICES": visible})
+    assert preview.exit_code == 0, preview.output
+    assert "as on a node with 4 GPUs (as the profile asks)" in preview.stdout
+    assert "cp 1 x dp_shard 4 = world 4" in preview.stdout or "world 4" in preview.stdout
+    assert "Here it would not launch:" in preview.stdout and all(f in preview.stdout for f in fragments)
+    assert_one_line_error(cpctl("launch", *args, env={"CUDA_VISIBLE_DEVICES": visible}), *fragments)
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,8 @@ GPU8 = prof.Machine(cuda_devices=8)
 ENTER, DOWN, CLEAR, CTRL_C = "\r", "\x1b[B", "\x15", "\x03"
 # device, nnodes, nproc, cp, tp, dp_replicate, dp_shard, strategy, load balance, precision, checkpointing
 QUESTIONS = 11
+# with cp_size 1, the default, strategy and load balance are not asked
+QUESTIONS_WITHOUT_CP = QUESTIONS - 2
 
 
 def typed(text: str) -> str:
@@ -63,12 +65,13 @@ def resolved(path: Path, machine: prof.Machine = CPU) -> prof.Profile:
 
 def test_defaults_only_write_a_profile_that_resolves(tmp_path):
     out = tmp_path / "cpctl.yaml"
-    code, shown = drive(ENTER * QUESTIONS, output=out)
+    code, shown = drive(ENTER * QUESTIONS_WITHOUT_CP, output=out)
     assert code == 0
     assert out.read_text().startswith("# cpctl profile written by `cpctl config`")
     got = resolved(out)
     assert (got.launch.device, got.launch.nproc_per_node, got.world_size) == ("cpu", 2, 2)
-    assert (got.parallelism.cp_size, got.parallelism.dp_shard_size) == (2, 1)
+    # the same default as the profile's everywhere: no CP unless asked for
+    assert (got.parallelism.cp_size, got.parallelism.dp_shard_size) == (1, 2)
     assert got.parallelism.cp_comm_strategy == "allgather" and got.parallelism.cp_load_balance
     assert got.fsdp.mixed_precision == "no" and not got.fsdp.activation_checkpointing
     assert "parallelism.cp_size" in shown and f"cpctl launch --config {out} your_script.py" in shown
@@ -110,7 +113,7 @@ def test_several_machines_ask_node_rank_and_endpoint(tmp_path):
     keys = (ENTER + typed("2")
             + typed("2") + typed("1")                   # node_rank 2 of 2 machines, then 1
             + ENTER + typed("node0:29500")              # an endpoint is required
-            + ENTER * (QUESTIONS - 2))
+            + ENTER + typed("2") + ENTER * (QUESTIONS - 3))  # 2 processes per machine, cp 2, the rest defaults
     code, _ = drive(keys, output=out)
     assert code == 0
     got = resolved(out)
@@ -130,7 +133,7 @@ def test_flags_are_not_asked(tmp_path):
 def test_device_choices_leave_out_what_the_flags_rule_out(tmp_path):
     out = tmp_path / "p.yaml"
     # 16 processes per machine but 8 GPUs: only cpu is offered, and Enter takes it.
-    code, _ = drive(ENTER * (QUESTIONS - 1), output=out, flags={"launch.nproc_per_node": "16"}, machine=GPU8)
+    code, _ = drive(ENTER * (QUESTIONS_WITHOUT_CP - 1), output=out, flags={"launch.nproc_per_node": "16"}, machine=GPU8)
     assert code == 0
     assert resolved(out, GPU8).launch.device == "cpu"
 
@@ -145,8 +148,8 @@ def test_declined_overwrite_keeps_the_file(tmp_path):
 def test_accepted_overwrite_replaces_the_file(tmp_path):
     out = tmp_path / "cpctl.yaml"
     out.write_text("# mine\n")
-    code, _ = drive("y" + ENTER * QUESTIONS, output=out)
-    assert code == 0 and resolved(out).parallelism.cp_size == 2
+    code, _ = drive("y" + ENTER * QUESTIONS_WITHOUT_CP, output=out)
+    assert code == 0 and resolved(out).parallelism.cp_size == 1
 
 
 def test_ctrl_c_exits_130_and_writes_nothing(tmp_path):
@@ -167,11 +170,11 @@ def test_yes_takes_defaults_and_flags(tmp_path):
     assert got.fsdp.activation_checkpointing
 
 
-def test_yes_defaults_on_a_gpu_machine_split_each_sequence_over_the_gpus(tmp_path):
+def test_yes_defaults_on_a_gpu_machine_use_every_gpu(tmp_path):
     out = tmp_path / "p.yaml"
     assert run_yes(output=out, machine=GPU8)[0] == 0
     got = resolved(out, GPU8)
-    assert (got.launch.device, got.launch.nproc_per_node, got.parallelism.cp_size) == ("cuda", 8, 8)
+    assert (got.launch.device, got.launch.nproc_per_node, got.parallelism.cp_size) == ("cuda", 8, 1)
     assert got.fsdp.mixed_precision == "bf16"
 
 
@@ -244,10 +247,12 @@ def test_enter_through_a_real_terminal(tmp_path):
     out = tmp_path / "cpctl.yaml"
     pexpect, child = spawn_in_terminal(out)
     try:
-        for prompt in ("Device", "Machines", "Processes per machine", "CP size", "TP size", "DP replicate",
-                       "DP shard", "CP comm strategy", "Load balance", "Mixed precision", "Activation checkpointing"):
+        for prompt, answer in (("Device", ENTER), ("Machines", ENTER), ("Processes per machine", ENTER),
+                               ("CP size", typed("2")), ("TP size", ENTER), ("DP replicate", ENTER), ("DP shard", ENTER),
+                               ("CP comm strategy", ENTER), ("Load balance", ENTER), ("Mixed precision", ENTER),
+                               ("Activation checkpointing", ENTER)):
             child.expect_exact(prompt)
-            child.send(ENTER)
+            child.send(answer)
         child.expect_exact("Wrote")
         child.expect(pexpect.EOF)
     finally:
@@ -255,6 +260,13 @@ def test_enter_through_a_real_terminal(tmp_path):
     assert child.exitstatus == 0
     got = resolved(out)
     assert (got.parallelism.cp_size, got.world_size) == (2, 2)
+
+
+def test_yes_says_where_a_value_it_chose_came_from(tmp_path):
+    # --cp-size 4 on a 2-process default: the processes per machine grow, and the summary says why
+    code, shown = run_yes(output=tmp_path / "p.yaml", flags={"parallelism.cp_size": "4"})
+    assert code == 0
+    assert "flag --cp-size" in shown and "the fewest processes per machine that fit" in shown
 
 
 def test_input_that_ends_early_writes_nothing(tmp_path):

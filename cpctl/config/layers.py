@@ -138,6 +138,9 @@ def find_profile(name: str, *, cwd: Path, environ: Mapping[str, str]) -> Path:
     for place in places:
         if (place / filename).is_file():
             return place / filename
+    if "/" in name or (cwd / name).is_file():  # a path: that is what --config takes
+        raise CpctlError(f"--profile {name}: --profile takes a profile's name (e.g. cpu-try); "
+                         f"for a file, use --config {name}")
     known = sorted({p.stem for place in places if place.is_dir() for p in place.glob("*.yaml")})
     raise CpctlError(f"--profile {name}: no such profile{suggest(name, known, kind='profiles')}")
 

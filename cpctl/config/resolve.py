@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cpctl.config import layers as L
-from cpctl.config.rules import Machine, detect_machine, fill_auto, first_problem
+from cpctl.config.rules import Machine, detect_machine, fill_auto, first_problem, target_machine
 from cpctl.config.schema import AUTO, DEFAULTS, KEYS, Flat, Profile
 from cpctl.errors import CpctlError
 
@@ -94,6 +94,36 @@ def resolve(*, flags: Mapping[str, Any] | None = None, config: str | Path | None
                                           environ=environ, cwd=cwd)
     machine = detect_machine(environ) if machine is None else machine
     return complete(L.Layer({**DEFAULTS, **values}, sources), machine=machine, files=files)
+
+
+@dataclass(frozen=True)
+class Preview:
+    """A profile resolved as on the machine it is written for, and whether it launches here."""
+
+    resolved: Resolved
+    target: str  # that machine, in words
+    problem_here: str | None  # why it would not launch on this machine; None if it would
+
+
+def preview(*, flags: Mapping[str, Any] | None = None, config: str | Path | None = None,
+            profile_name: str | None = None, environ: Mapping[str, str] | None = None,
+            cwd: str | Path | None = None, machine: Machine | None = None) -> Preview:
+    """What `launch --dry-run` and `check --static` show: a cuda profile resolved with the GPUs
+    it asks for, even on a laptop or a CPU CI box."""
+    environ = os.environ if environ is None else environ
+    values, sources, files = merge_layers(flags=flags, config=config, profile_name=profile_name,
+                                          environ=environ, cwd=cwd)
+    here = detect_machine(environ) if machine is None else machine
+    target, described = target_machine(values, detected=here)
+    layer = L.Layer({**DEFAULTS, **values}, sources)
+    resolved = complete(layer, machine=target, files=files)
+    problem = None
+    if target != here:
+        try:
+            complete(layer, machine=here)
+        except CpctlError as exc:
+            problem = str(exc)
+    return Preview(resolved, described, problem)
 
 
 def for_worker(overrides: Mapping[str, Any], *, environ: Mapping[str, str], cuda_devices: int,
