@@ -257,7 +257,10 @@ def _write(output: Path, text: str) -> None:
 
 def _replace(output: Path, text: str) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
+    prefix = f".{output.name}.cpctl-partial."
+    for stale in output.parent.glob(prefix + "*"):  # left by a run killed between write and rename
+        stale.unlink(missing_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=output.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
@@ -327,7 +330,8 @@ def run_config(
     answers = _flag_answers(flags, machine)
     if output.is_dir():
         raise CpctlError(f"--output {output} is a directory; pass a file path such as {output / DEFAULT_OUTPUT}")
-    if output.exists() and not interactive:
+    existed = output.exists()
+    if existed and not interactive:
         raise CpctlError(f"{output} already exists; pass a new --output or delete the file (cpctl config never overwrites it unasked)")
 
     ask = _Asker(answers=answers, machine=machine, interactive=interactive)
@@ -349,6 +353,9 @@ def run_config(
 
     text = profile_yaml(answers, output=output)
     resolved = _validated(text, answers=answers, machine=machine, given=flags if not interactive else {})
+    if output.exists() and not existed:  # created while the questions were open: not ours to replace
+        raise CpctlError(f"{output} appeared while the wizard was open; nothing written: run cpctl config again "
+                         "to decide about it, or pass another --output")
     _write(output, text)
     console.print(summary_table(answers, ask.origins, resolved, output=output))
     console.print(Text(f"Wrote {output}. Launch with:"))

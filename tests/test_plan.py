@@ -157,6 +157,8 @@ def test_check_length_names_the_divisor_and_the_fix() -> None:
     message = str(info.value)
     assert "10" in message and "cp_size (3)" in message and "2 * cp_size" not in message
     assert "pad the sequence to 12" in message
+    with pytest.raises(CpctlError, match="sequence length 0 under context parallelism: there is nothing to split"):
+        balanced.check_length(0)  # plain SDPA returns an empty tensor; a shard of nothing would divide by zero
     with pytest.raises(CpctlError, match=r"2 \* cp_size \(4\)"):
         shard(torch.zeros(1, 6), seq_dim=1, layout=ChunkLayout(cp_size=2, cp_rank=1, load_balance=True))
 

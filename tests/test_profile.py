@@ -354,3 +354,37 @@ def test_a_key_declared_once_reaches_flags_env_wizard_and_dry_run(tmp_path: Path
     assert yaml.safe_load((tmp_path / "p.yaml").read_text())["fsdp"]["loss_chunk_tokens"] == 32
     cpctl("config", "--yes", "--device", "cpu", "-o", "q.yaml")  # the wizard asks it: its default is written
     assert yaml.safe_load((tmp_path / "q.yaml").read_text())["fsdp"]["loss_chunk_tokens"] == 4096
+
+
+# ----------------------------------------------------------------------------- hostile and broken input
+
+
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]\n" for prev, name in zip("abcdefgh", "bcdefghi"))
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    (ALIAS_BOMB, "YAML aliases (*name) are not allowed in a profile"),
+    ("a: " + "[" * 2000 + "]" * 2000 + "\n", "nested deeper than 8 levels"),
+    ("version: 1\n# " + "x" * (1 << 20) + "\n", "is not a profile (at most 65,536)"),
+    ('parallelism:\n  cp_size: "' + "y" * 5000 + '"\n', "parallelism.cp_size: 'yyyyy"),
+])
+def test_hostile_profiles_are_refused_at_once_in_one_short_line(tmp_path: Path, text: str, expected: str) -> None:
+    import time
+
+    path = write(tmp_path / "p.yaml", text)
+    start = time.perf_counter()
+    message = error_of(tmp_path, config=str(path))
+    assert time.perf_counter() - start < 1.0
+    assert expected in message and len(message) < 400
+
+
+def test_the_workers_profile_variable_is_checked() -> None:
+    import json
+
+    with pytest.raises(CpctlError, match="CPCTL_RESOLVED_PROFILE is not the JSON `cpctl launch` writes"):
+        P.for_worker({}, environ={P.PROFILE_ENV_VAR: "{broken", "WORLD_SIZE": "2"}, cuda_devices=0)
+    one = P.resolve(flags={"launch.nproc_per_node": "1", "launch.device": "cpu"}, environ={}, cwd="/")
+    environ = {P.PROFILE_ENV_VAR: json.dumps(one.profile.to_dict()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
+    with pytest.raises(CpctlError, match="the profile is for 1 processes but this job has WORLD_SIZE 2"):
+        P.for_worker({}, environ=environ, cuda_devices=0)

@@ -334,3 +334,27 @@ def test_an_unwritable_output_is_one_line(tmp_path: Path) -> None:
     assert result.exit_code == 2
     assert result.stderr.strip().startswith("error: --output ")
     assert "cannot write it" in result.stderr and "Traceback" not in result.output
+
+
+def test_a_file_created_while_the_wizard_is_open_is_not_replaced(tmp_path, monkeypatch):
+    out = tmp_path / "p.yaml"
+    import cpctl.wizard as wizard
+
+    ask_all = wizard._ask_all
+
+    def someone_writes_meanwhile(ask):
+        ask_all(ask)
+        out.write_text("# written by someone else meanwhile\n")
+
+    monkeypatch.setattr(wizard, "_ask_all", someone_writes_meanwhile)
+    with pytest.raises(CpctlError, match="appeared while the wizard was open; nothing written"):
+        run_yes(output=out)
+    assert out.read_text() == "# written by someone else meanwhile\n"
+
+
+def test_a_partial_file_left_by_a_killed_run_is_cleaned_up(tmp_path):
+    out = tmp_path / "p.yaml"
+    stale = tmp_path / ".p.yaml.cpctl-partial.abc123"
+    stale.write_text("half")
+    assert run_yes(output=out)[0] == 0
+    assert out.is_file() and not stale.exists()

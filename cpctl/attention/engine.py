@@ -57,6 +57,9 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: C
         )
     if k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise CpctlError(f"CP attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit together")
+    if 0 in (q.shape[0], q.shape[1], q.shape[3], k.shape[1], v.shape[3]):
+        raise CpctlError(f"CP attention of empty tensors (q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}); "
+                         "skip the call, or make it outside maybe_context_parallel")
     if q.shape[2] != k.shape[2]:
         raise CpctlError(
             f"CP attention shards self-attention: q has {q.shape[2]} local tokens but k has {k.shape[2]}; "

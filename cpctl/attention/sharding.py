@@ -49,6 +49,9 @@ class ChunkLayout:
         return [chunk for rank in range(self.cp_size) for chunk in self.chunks_of(rank)]
 
     def check_length(self, seq_len: int, *, what: str = "sequence length") -> None:
+        if seq_len == 0:
+            raise CpctlError(f"{what} 0 under context parallelism: there is nothing to split; skip empty "
+                             "sequences, or run them outside maybe_context_parallel")
         if seq_len % self.num_chunks:
             if self.assignment is not None:
                 reason = f"the {self.num_chunks} chunks of the cost-balanced layout"

@@ -54,22 +54,49 @@ def tree_layer(tree: Any, source: str) -> Layer:
     for name, value in tree.items():
         if name in SECTIONS:
             if value is not None and not isinstance(value, Mapping):
-                raise CpctlError(f"{source}: {name} must be a mapping of keys, got {value!r}")
+                raise CpctlError(f"{source}: {name} must be a mapping of keys, got {shown(value)}")
             known = [k.leaf for k in KEYS.values() if k.path.startswith(f"{name}.")]
             for sub in value or {}:
                 if sub not in known:
-                    raise CpctlError(f"{source}: {name}.{sub}: unknown key{suggest(str(sub), known)}")
+                    raise CpctlError(f"{source}: {name}.{shown(sub)[1:-1]}: unknown key{suggest(str(sub)[:40], known)}")
         elif name not in KEYS:
-            raise CpctlError(f"{source}: {name}: unknown key{suggest(str(name), list(KEYS) + list(SECTIONS))}")
+            raise CpctlError(f"{source}: {shown(name)[1:-1]}: unknown key{suggest(str(name)[:40], list(KEYS) + list(SECTIONS))}")
     values = flatten({name: value for name, value in tree.items() if not (name in SECTIONS and value is None)})
     for path, value in values.items():
         if not KEYS[path].check(value):
-            raise CpctlError(f"{source}: {path}: {value!r} is not allowed; expected {KEYS[path].allowed}")
+            raise CpctlError(f"{source}: {path}: {shown(value)} is not allowed; expected {KEYS[path].allowed}")
     return Layer.of(values, source)
 
 
+# A profile is a few dozen lines: anything far larger, deeper or using YAML aliases is a
+# mistake or an attack (an alias bomb expands 349 bytes into gigabytes), refused before parsing.
+MAX_PROFILE_BYTES = 64 * 1024
+MAX_PROFILE_DEPTH = 8
+QUOTED_VALUE_CHARS = 60  # how much of a bad value an error message repeats
+
+
+def shown(value: Any) -> str:
+    """`repr(value)`, cut short for error messages."""
+    text = repr(value)
+    return text if len(text) <= QUOTED_VALUE_CHARS else text[:QUOTED_VALUE_CHARS] + "...'"
+
+
 class _StrictLoader(yaml.SafeLoader):
-    """safe_load that refuses a key given twice: YAML keeps the last one, silently."""
+    """safe_load that refuses a key given twice (YAML keeps the last one, silently), aliases and deep nesting."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.events.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.constructor.ConstructorError(None, None, "YAML aliases (*name) are not allowed in a profile", mark)
+        depth = getattr(self, "_depth", 0)
+        if depth > MAX_PROFILE_DEPTH:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"nested deeper than {MAX_PROFILE_DEPTH} levels", self.peek_event().start_mark)
+        self._depth = depth + 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth = depth
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -89,6 +116,10 @@ def read_yaml(path: str | Path) -> Any:
         raise CpctlError(f"{path}: no such profile file; check the path or run `cpctl config --output {path}`")
     if not path.is_file():
         raise CpctlError(f"{path}: not a regular file; pass the path of a YAML profile")
+    size = path.stat().st_size
+    if size > MAX_PROFILE_BYTES:
+        raise CpctlError(f"{path}: {size:,} bytes is not a profile (at most {MAX_PROFILE_BYTES:,}); "
+                         "check the path or regenerate it with `cpctl config`")
     try:
         tree = yaml.load(path.read_text(encoding="utf-8"), Loader=_StrictLoader)  # noqa: S506 (a SafeLoader)
     except (OSError, UnicodeDecodeError) as exc:

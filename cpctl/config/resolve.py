@@ -133,11 +133,21 @@ def for_worker(overrides: Mapping[str, Any], *, environ: Mapping[str, str], cuda
     `cpctl.init(**overrides)` above all."""
     passed = environ.get(L.PROFILE_ENV_VAR)
     if passed:
-        layers = [L.tree_layer(json.loads(passed), "cpctl launch")]
+        try:
+            tree = json.loads(passed)
+        except json.JSONDecodeError as exc:
+            raise CpctlError(f"{L.PROFILE_ENV_VAR} is not the JSON `cpctl launch` writes ({exc.msg} at character "
+                             f"{exc.pos}); unset it, or start the script with cpctl launch") from None
+        layers = [L.tree_layer(tree, L.PROFILE_ENV_VAR)]
         files: tuple[Path, ...] = ()
     else:
         environ = {k: v for k, v in environ.items() if k != L.PROFILE_ENV_VAR}
         layers, files = user_layers(environ=environ, cwd=Path.cwd() if cwd is None else Path(cwd))
         layers.append(L.torchrun_layer(environ))
     layers.append(L.overrides_layer(overrides))
-    return complete(overlay(layers), machine=Machine(cuda_devices=cuda_devices), files=files)
+    resolved = complete(overlay(layers), machine=Machine(cuda_devices=cuda_devices), files=files)
+    world = int(environ.get("WORLD_SIZE", "1"))
+    if resolved.profile.world_size != world:  # e.g. a profile passed on by hand to another launcher
+        raise CpctlError(f"the profile is for {resolved.profile.world_size} processes but this job has WORLD_SIZE "
+                         f"{world}" + (f"; {L.PROFILE_ENV_VAR} was resolved for another launch: unset it" if passed else ""))
+    return resolved

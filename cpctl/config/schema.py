@@ -251,12 +251,14 @@ class Key:
 
     def parse(self, text: Any, *, source: str) -> Any:
         """A checked value from text (a flag, a variable) or an already typed value; errors name `source`."""
+        from cpctl.config.layers import shown
+
         try:
             value = self.spec.kind.parse(text) if isinstance(text, str) else text
         except ValueError:
-            raise CpctlError(f"{source}: {text!r} is not allowed for {self.path}; expected {self.allowed}") from None
+            raise CpctlError(f"{source}: {shown(text)} is not allowed for {self.path}; expected {self.allowed}") from None
         if not self.check(value):
-            raise CpctlError(f"{source}: {value!r} is not allowed for {self.path}; expected {self.allowed}")
+            raise CpctlError(f"{source}: {shown(value)} is not allowed for {self.path}; expected {self.allowed}")
         return value
 
 
