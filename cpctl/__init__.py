@@ -9,13 +9,21 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["CpctlError", "init", "position_ids_for_documents", "position_ids_from_document_ids", "position_ids_like",
+__all__ = ["Checkpointer", "CpctlError", "init", "position_ids_for_documents", "position_ids_from_document_ids", "position_ids_like",
            "shift_labels", "__version__"]
 
 from cpctl.errors import CpctlError
 
 if TYPE_CHECKING:
     from cpctl.runtime import Runtime
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Checkpointer":  # imports torch: only on use
+        from cpctl.checkpoint import Checkpointer
+
+        return Checkpointer
+    raise AttributeError(f"module 'cpctl' has no attribute {name!r}")
 
 
 def init(**overrides: Any) -> "Runtime":

@@ -15,6 +15,7 @@ process and every parallel size is 1, so the same script runs unchanged.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -150,12 +151,12 @@ class Runtime:
     def prepare_dataloader(self, dataset, *, batch_size: int = 1, shuffle: bool = True, collate_fn=None,
                            seed: int = 0, **loader_kwargs) -> torch.utils.data.DataLoader:
         """A DataLoader whose batches differ across dp ranks and repeat across cp/tp ranks."""
-        from torch.utils.data import DistributedSampler, IterableDataset
+        from torch.utils.data import IterableDataset
 
         if isinstance(dataset, IterableDataset):
             raise CpctlError("prepare_dataloader needs a map-style dataset (with __len__ and __getitem__) to split "
                              "it over dp ranks; for an IterableDataset, shard it by rt.dp_rank / rt.dp_size yourself")
-        sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank,
+        sampler = ResumableSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank,
                                      shuffle=shuffle, seed=seed, drop_last=True)
         return EpochDataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, **loader_kwargs)
 
@@ -366,15 +367,47 @@ class Runtime:
                                     dp=self.axes["dp"], dp_cp=self.axes["dp_cp"], ignore_index=ignore_index)
 
 
-class EpochDataLoader(torch.utils.data.DataLoader):
-    """A DataLoader whose every pass is a new epoch: its DistributedSampler reshuffles."""
+class ResumableSampler(torch.utils.data.DistributedSampler):
+    """A DistributedSampler that can start an epoch part-way, where a checkpoint left it."""
 
-    _epoch = 0
+    start_index = 0
 
     def __iter__(self):
-        self.sampler.set_epoch(self._epoch)
-        self._epoch += 1
-        return super().__iter__()
+        return itertools.islice(super().__iter__(), self.start_index, None)
+
+
+class EpochDataLoader(torch.utils.data.DataLoader):
+    """A DataLoader whose every pass is a new epoch (its sampler reshuffles), and which knows
+    where it is, for checkpoints: `state_dict()` / `load_state_dict()`.
+
+    The position is kept in samples of the whole dp batch, not in this rank's batches: a step
+    consumes the same samples whatever the layout, so a checkpoint resumes at the right sample
+    under another dp size.
+    """
+
+    _epoch = 0  # the epoch the next pass serves
+    _current = 0  # the epoch being served
+    _samples = 0  # samples of the whole dp batch served in it
+    _resume_samples = 0  # where the next pass starts, after load_state_dict
+
+    def __iter__(self):
+        ranks, per_batch = self.sampler.num_replicas, self.batch_size or 1
+        self._current, self._epoch = self._epoch, self._epoch + 1
+        self.sampler.set_epoch(self._current)
+        self.sampler.start_index = self._resume_samples // ranks
+        self._samples, self._resume_samples = self._resume_samples, 0
+        for batch in super().__iter__():
+            self._samples += per_batch * ranks
+            yield batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self._current, "samples": self._samples}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["samples"] % self.sampler.num_replicas:
+            raise CpctlError(f"the checkpoint stopped at sample {state['samples']}, which {self.sampler.num_replicas} "
+                             "dp ranks cannot split evenly; resume with a dp size that divides it")
+        self._epoch, self._resume_samples = state["epoch"], state["samples"]
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:

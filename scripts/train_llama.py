@@ -7,6 +7,12 @@
 Every rank of a CP group gets the same sequences and keeps 1/cp of their tokens; the loss
 printed is the token mean of the whole step's batch. `--losses-out FILE` writes the losses
 (rank 0) as JSON, which the tests compare between CP and non-CP runs.
+
+With `--checkpoint-dir DIR --save-every N` it saves a checkpoint every N steps and, started
+again (by hand, or by torchrun after a failure with `max_restarts`), resumes from the newest:
+
+    cpctl launch --profile cpu-try --max-restarts 1 scripts/train_llama.py --steps 20 \
+        --checkpoint-dir runs/ckpt --save-every 5
 """
 
 from __future__ import annotations
@@ -32,6 +38,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--losses-out", default=None)
+    p.add_argument("--checkpoint-dir", default=None, help="save here, and resume from the newest checkpoint here")
+    p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: none)")
+    p.add_argument("--stop-after", type=int, default=None, help="end after this many steps of the schedule "
+                   "(--steps still sets the data and schedule), e.g. to resume later")
     return p.parse_args(argv)
 
 
@@ -79,9 +89,13 @@ def main(argv=None):
               f"device {rt.device.type}, {n_params:,} parameters (ready in {time.perf_counter() - built:.1f} s); "
               f"{args.steps} steps of {args.global_batch} x {args.seq_len} tokens",
               flush=True)
+    checkpoints = cpctl.Checkpointer(args.checkpoint_dir) if args.checkpoint_dir else None
+    first = checkpoints.load_latest(model=model, optimizer=optimizer, loader=loader) if checkpoints else 0
+    if first and rt.is_main:
+        print(f"cpctl: resumed from the checkpoint of step {first} in {args.checkpoint_dir}", flush=True)
     losses = []
     start = time.perf_counter()
-    for step, batch in enumerate(loader):
+    for step, batch in enumerate(loader, start=first):
         step_start = time.perf_counter()
         loss = train_step(rt, model, optimizer, batch["input_ids"]).item()
         losses.append(loss)
@@ -91,13 +105,18 @@ def main(argv=None):
             label, peak = peak_memory_gib(rt.device)
             print(f"step {step:3d}  loss {loss:.4f}  {seconds:.2f} s  {tokens_per_s:,.0f} tokens/s  "
                   f"{label} {peak:.2f} GiB", flush=True)
+        if checkpoints and args.save_every and (step + 1) % args.save_every == 0:
+            checkpoints.save(step + 1, model=model, optimizer=optimizer, loader=loader)
+        if args.stop_after is not None and step + 1 >= args.stop_after:
+            break
     elapsed = time.perf_counter() - start
     label, peak = peak_memory_gib(rt.device)
     print(f"rank {rt.rank}: {label} {peak:.2f} GiB; {len(losses) * args.global_batch * args.seq_len / elapsed:,.0f} "
           f"tokens/s overall", flush=True)
     if rt.is_main and args.losses_out:
         with open(args.losses_out, "w") as f:
-            json.dump({"losses": losses, "world": rt.world_size, "cp": rt.cp_size, "dp": rt.dp_size}, f)
+            json.dump({"losses": losses, "first_step": first, "world": rt.world_size, "cp": rt.cp_size,
+                       "dp": rt.dp_size}, f)
 
 
 if __name__ == "__main__":
