@@ -19,16 +19,21 @@ import difflib
 import importlib.machinery
 import importlib.util
 import json
+import logging
 import os
 import shlex
 import signal
+import socket
 import sys
+import tempfile
+import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cpctl import envinfo
-from cpctl.errors import CpctlError
+from cpctl.errors import ERROR_DIR_ENV_VAR, REPORT_KEY, CpctlError
 from cpctl.config import PROFILE_ENV_VAR, Profile, Resolved
 
 # torchrun reads the per-line prefix template of tee'd worker output from this variable.
@@ -125,53 +130,266 @@ def launch(plan: Plan) -> None:
 
     Raises LaunchError with the exit code to use: the root-cause rank's own code when a worker
     fails (torchrun itself would exit 1), 128 + signal when interrupted (130 for Ctrl-C).
+    Raises CpctlError, before spawning anything, when torch cannot see the GPUs the profile needs.
     """
+    profile = plan.resolved.profile
+    if profile.launch.device == "cuda":
+        import torch
+
+        check_cuda_devices(profile.launch.nproc_per_node, device_count=torch.cuda.device_count(), environ=os.environ)
+    # Each worker writes its traceback here when it fails (see cpctl.process); removed when empty.
+    error_dir = tempfile.mkdtemp(prefix="cpctl-")
     try:
-        with _environ(plan.env):
-            _run_torchrun(list(plan.torchrun_args))
+        with _environ({**plan.env, ERROR_DIR_ENV_VAR: error_dir}):
+            _run_torchrun(list(plan.torchrun_args), nnodes=profile.launch.nnodes)
     except KeyboardInterrupt:  # Ctrl-C before torchrun's agent installed its own handlers
         raise LaunchError("interrupted; workers stopped", exit_code=128 + signal.SIGINT) from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.rmdir(error_dir)
 
 
-def _run_torchrun(argv: list[str]) -> None:
+def check_cuda_devices(nproc_per_node: int, *, device_count: int, environ: Mapping[str, str]) -> None:
+    """torch must see a GPU for every local worker. The profile counted GPUs without torch (from
+    CUDA_VISIBLE_DEVICES, or the driver), so a variable naming GPUs that do not exist passes it."""
+    if device_count >= nproc_per_node:
+        return
+    sees = f"torch sees {device_count} GPU{'' if device_count == 1 else 's'}" if device_count else "torch sees no GPU"
+    fix = f"--nproc-per-node {device_count}" if device_count else "--device cpu"
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        named = len([item for item in visible.split(",") if item.strip()])
+        raise CpctlError(
+            f"CUDA_VISIBLE_DEVICES={visible} names {named} GPU{'' if named == 1 else 's'} but {sees} (nproc_per_node "
+            f"{nproc_per_node}): CUDA drops the first entry that is no GPU of this machine and every one after it; "
+            f"set CUDA_VISIBLE_DEVICES to GPUs that exist (`nvidia-smi -L` lists them), unset it, or pass {fix}"
+        )
+    raise CpctlError(f"{sees} but nproc_per_node is {nproc_per_node}; check `nvidia-smi` and that torch is a CUDA "
+                     f"build (torch.version.cuda), or pass {fix}")
+
+
+def _run_torchrun(argv: list[str], *, nnodes: int = 1) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
+    args = torchrun.get_args_parser().parse_args(argv)
+    watch = _RendezvousWatch(args, nnodes=nnodes) if nnodes > 1 else contextlib.nullcontext()
     try:
-        torchrun.run(torchrun.get_args_parser().parse_args(argv))
+        with _quiet_worker_failures(), watch:
+            torchrun.run(args)
     except ChildFailedError as exc:
         raise _worker_failure(exc) from None
     except SignalException as exc:
         # the agent has already stopped the workers when this reaches us
         raise LaunchError(f"interrupted by {exc.sigval.name}; workers stopped", exit_code=128 + int(exc.sigval)) from None
+    except KeyboardInterrupt:
+        if isinstance(watch, _RendezvousWatch) and watch.joined is not None and not watch.complete:
+            raise LaunchError(f"interrupted while waiting at the rendezvous ({watch.joined} of {nnodes} nodes joined); "
+                              "no worker was started", exit_code=128 + signal.SIGINT) from None
+        raise
     except RendezvousError as exc:
+        joined = getattr(watch, "joined", None)
+        seen = f" ({joined} of {nnodes} nodes joined)" if joined is not None else ""
         raise LaunchError(
-            f"rendezvous failed: {_first_line(str(exc)) or type(exc).__name__}; check that every node runs "
+            f"rendezvous failed: {_first_line(str(exc)) or type(exc).__name__}{seen}; check that every node runs "
             "`cpctl launch` with the same --nnodes and --rdzv-endpoint and can reach that host:port",
             exit_code=1,
         ) from None
 
 
+# ----------------------------------------------------------------------------- a worker failed
+
+
 def _worker_failure(exc: object) -> LaunchError:
-    """One line on the root-cause rank of a torchrun ChildFailedError, exiting with its code."""
-    rank, failure = exc.get_first_failure()  # type: ignore[attr-defined]
+    """The root cause, once: its rank and message (from the worker's report, see cpctl.process),
+    where its traceback is, and the exit line. cpctl exits with that worker's own code."""
+    failures = exc.failures  # type: ignore[attr-defined]
+    rank, failure = _root_cause(failures)
+    report = _report(failure)
     code = failure.exitcode
-    if code < 0:
-        how = f"was killed by {failure.signal_name()}"
-        exit_code = 128 - code
+    if code == -signal.SIGTERM and report is not None:
+        # it raised, so was exiting with code 1, when the agent saw a peer gone and stopped it
+        how, exit_code = "exited with code 1", 1
+    elif code < 0:
+        how, exit_code = f"was killed by {failure.signal_name()}", 128 - code
     else:
-        how = f"exited with code {code}"
-        exit_code = code or 1
-    message = f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
-    recorded = failure.error_file_data.get("message") != "<NONE>"  # the worker used @record
-    if recorded and _first_line(failure.message):
-        message += f": {_first_line(failure.message)}"
-    others = len(exc.failures) - 1  # type: ignore[attr-defined]
+        how, exit_code = f"exited with code {code}", code or 1
+    first = None if report is None else report.get("after") or report  # the rank that failed first, maybe elsewhere
+    if first is not None and first is not report:
+        how = f"stopped after rank {first['rank']} failed and {how}"
+    exit_line = f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
+    others = len(failures) - 1
     if others:
-        message += f" (and {others} more rank{'s' if others > 1 else ''} after it)"
-    return LaunchError(message + "; its output is above", exit_code=exit_code)
+        exit_line += f" (and {others} more rank{'s' if others > 1 else ''} after it)"
+    if first is None:  # no report: it exited, was killed, or failed before cpctl.init()
+        recorded = failure.error_file_data.get("message") != "<NONE>"  # the script used torchelastic's @record
+        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
+        if recorded and _first_line(message):
+            exit_line += f": {_first_line(message)}"
+        return LaunchError(exit_line + "; its output is above", exit_code=exit_code)
+    where = f" on {first['host']}" if first.get("host") not in (None, socket.gethostname()) else ""
+    return LaunchError(f"rank {first['rank']}: {first['summary']}\n"
+                       f"  traceback: {first['traceback_file']}{where}\n"
+                       f"  {exit_line}", exit_code=exit_code)
+
+
+def _report(failure: object) -> dict | None:
+    data = getattr(failure, "error_file_data", None)
+    report = data.get(REPORT_KEY) if isinstance(data, dict) else None
+    return report if isinstance(report, dict) and {"rank", "summary", "traceback_file"} <= report.keys() else None
+
+
+def _root_cause(failures: Mapping[int, object]) -> tuple[int, object]:
+    """The failure that caused the others, not just the one with the smallest whole-second
+    timestamp (torchelastic's pick): a worker's own error before one that only lost its peers
+    (or was told by another rank that it failed first), and those before the workers the agent
+    stopped with SIGTERM; then the earliest."""
+
+    def order(item: tuple[int, object]) -> tuple[int, float]:
+        _, failure = item
+        report = _report(failure)
+        if report is not None:
+            secondary = bool(report.get("after") or report.get("peer_lost"))
+            return (2 if secondary else 0, float(report.get("time", failure.timestamp)))  # type: ignore[attr-defined]
+        stopped = failure.exitcode == -signal.SIGTERM  # type: ignore[attr-defined]
+        return (3 if stopped else 1, float(failure.timestamp))  # type: ignore[attr-defined]
+
+    return min(failures.items(), key=order)
+
+
+class _QuietWorkerFailures(logging.Filter):
+    """Drops torchelastic's own lines about failed workers: cpctl reports the root cause itself."""
+
+    LINES = {  # logger: what its dropped lines contain
+        "torch.distributed.elastic.multiprocessing.api": ("failed (exitcode", "closing signal"),
+        # on a node whose peer, the one hosting the rendezvous store, went away first
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous": ("has failed to shutdown the rendezvous",),
+    }
+
+    def __init__(self, fragments: tuple[str, ...]) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(fragment in str(record.msg) for fragment in self.fragments)
+
+
+@contextlib.contextmanager
+def _quiet_worker_failures() -> Iterator[None]:
+    filters = {logging.getLogger(name): _QuietWorkerFailures(lines) for name, lines in _QuietWorkerFailures.LINES.items()}
+    for logger, quiet in filters.items():
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger, quiet in filters.items():
+            logger.removeFilter(quiet)
+
+
+# ----------------------------------------------------------------------------- waiting for nodes
+
+
+_NO_RENDEZVOUS_STATE = b"Y2FuaW1hZGFt"  # C10dRendezvousBackend's value before any node joined
+
+
+class _RendezvousWatch:
+    """Lines on stderr while this node waits at the rendezvous for the other nodes: one when it
+    starts, then after FIRST_REPORT_S and every REPORT_EVERY_S seconds until all joined.
+
+    The nodes that joined are read from the c10d rendezvous state in the endpoint's store (a
+    client of its own, from a background thread); when that state cannot be read the lines
+    say what is expected, without a count.
+    """
+
+    FIRST_REPORT_S = 5.0
+    REPORT_EVERY_S = 30.0
+    POLL_S = 1.0
+
+    def __init__(self, args: object, *, nnodes: int) -> None:
+        self.endpoint = str(args.rdzv_endpoint)  # type: ignore[attr-defined]
+        self.nnodes = nnodes
+        self.key = f"torch.rendezvous.{args.rdzv_id}"  # type: ignore[attr-defined]  # C10dRendezvousBackend's
+        self.timeout_s = _join_timeout(str(args.rdzv_conf or ""))  # type: ignore[attr-defined]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpctl-rendezvous-watch", daemon=True)
+        self._store: object | None = None
+        self.joined: int | None = None  # nodes in the rendezvous when last read
+        self.complete = False  # whether all had joined then
+
+    def __enter__(self) -> _RendezvousWatch:
+        self._say(f"rendezvous at {self.endpoint}: waiting for {self.nnodes} nodes "
+                  f"(this one included; gives up after {self.timeout_s} s)")
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self._store = None  # its connection to the endpoint
+
+    def _say(self, text: str) -> None:
+        print(f"cpctl: {text}", file=sys.stderr, flush=True)
+
+    def _run(self) -> None:
+        started = time.monotonic()
+        report_at = started + self.FIRST_REPORT_S
+        reported = False
+        while not self._stop.wait(self.POLL_S):
+            joined, complete = self.state()
+            if joined is not None:
+                self.joined, self.complete = joined, complete
+            elapsed = round(time.monotonic() - started)
+            if complete:
+                if reported:
+                    self._say(f"all {self.nnodes} nodes joined after {elapsed} s")
+                return
+            if time.monotonic() < report_at or self._stop.is_set():
+                continue
+            count = f"{self.nnodes} nodes expected" if joined is None else f"{joined} of {self.nnodes} nodes joined"
+            hint = "" if reported else "; run the same `cpctl launch` (same --nnodes, --rdzv-endpoint) on every node"
+            self._say(f"still waiting at {self.endpoint}: {count} after {elapsed} s "
+                      f"(gives up after {self.timeout_s} s{hint})")
+            reported = True
+            report_at += self.REPORT_EVERY_S
+
+    def state(self) -> tuple[int | None, bool]:
+        """(nodes joined, rendezvous complete) from the endpoint's store; (None, False) if unknown."""
+        try:
+            import base64
+            import pickle
+            from datetime import timedelta
+
+            from torch.distributed import TCPStore
+
+            if self._store is None:
+                host, _, port = self.endpoint.rpartition(":")
+                self._store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2),
+                                       wait_for_workers=False)
+            store = self._store
+            if not store.check([self.key]):  # type: ignore[attr-defined]
+                return 0, False
+            value = store.get(self.key)  # type: ignore[attr-defined]
+            if value == _NO_RENDEZVOUS_STATE:
+                return 0, False
+            state = pickle.loads(base64.b64decode(value))  # what C10dRendezvousBackend.get_state decodes
+            return len(state.participants), bool(state.complete)
+        except Exception:  # not reachable yet, or a state this version does not know how to read
+            return None, False
+
+
+def _join_timeout(rdzv_conf: str) -> int:
+    """Seconds a node waits for the others: --rdzv-conf join_timeout, else torch's default."""
+    settings = dict(item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item)
+    if settings.get("join_timeout", "").strip().isdigit():
+        return int(settings["join_timeout"])
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+
+        return round(RendezvousTimeout().join.total_seconds())
+    except Exception:
+        return 600
 
 
 def _first_line(text: str) -> str:

@@ -1,4 +1,14 @@
-"""The process group's life: started once per process, torn down cleanly at exit."""
+"""The process group's life: started once per process, torn down cleanly at exit.
+
+It also decides what an uncaught exception in a worker looks like. Under `cpctl launch`
+(ERROR_DIR_ENV_VAR set by the launcher) the worker prints nothing: it writes the full traceback
+to ERROR_DIR/rank{R}-traceback.txt and a one-line summary to torchelastic's error file
+(TORCHELASTIC_ERROR_FILE, the file `@record` writes), from which the launcher prints the root
+cause once; a worker prints one line itself only when torchrun is about to restart the workers.
+The first rank to fail claims a key in the c10d store, so a peer that fails after it (typically
+with gloo's "Connection closed by peer") knows its own failure is secondary. Elsewhere (plain
+torchrun, python) Python's usual traceback is printed.
+"""
 
 from __future__ import annotations
 
@@ -6,37 +16,214 @@ import atexit
 import contextlib
 import datetime
 import gc
+import json
 import os
+import socket
 import sys
+import time
+import traceback
 from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
 
 import torch
 import torch.distributed as dist
+
+from cpctl.errors import ERROR_DIR_ENV_VAR, REPORT_KEY, CpctlError
+
+_PREFIX_TEMPLATE_ENV_VAR = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+_FIRST_FAILURE_KEY = "cpctl/first_failure"  # in the default c10d store: which rank failed first
+_STORE_TIMEOUT = datetime.timedelta(seconds=5)  # a dead store must not hold a failing worker
+# An exception with one of these in its message most likely reports a peer that went away.
+_PEER_LOST = ("connection closed by peer", "connection reset by peer", "connection refused", "broken pipe",
+              "remote process exited", "communicator was aborted")
 
 _FAILED = False  # an exception ended the script: peers may never reach the exit barrier
 _EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=30)
 
 
-def start(device: torch.device, *, on_exit: Callable[[], None]) -> None:
-    """nccl on cuda, gloo on cpu; under a launcher its rendezvous, else a world of one."""
+def start(device: torch.device, *, on_exit: Callable[[], None], timeout_s: int) -> None:
+    """nccl on cuda, gloo on cpu; under a launcher its rendezvous, else a world of one.
+
+    Every collective of every group waits at most `timeout_s` (the profile's comm_timeout); the
+    default group's store is namespaced per torchrun attempt, so a restarted worker never reads
+    the addresses its dead predecessors left there.
+    """
+    _die_with_the_launcher()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    if "RANK" in os.environ:
-        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
-    else:
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-    _note_uncaught_exceptions()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    hook = _ExceptHook(sys.excepthook)
+    try:
+        if "RANK" in os.environ:
+            store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+            attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+            dist.init_process_group(backend, store=dist.PrefixStore(f"cpctl/attempt{attempt}", store), rank=rank,
+                                    world_size=world, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    except BaseException:
+        sys.excepthook = hook  # a failure to connect is reported as any other
+        raise
+    # init_process_group wraps sys.excepthook to prefix each line with "[rankN]: "; where torchrun
+    # prefixes every line already (cpctl launch sets its template), that doubled the prefix.
+    hook.torch = sys.excepthook
+    sys.excepthook = hook
     atexit.register(_shutdown, on_exit)
+    global _COMM_TIMEOUT
+    _COMM_TIMEOUT = timeout
 
 
-def _note_uncaught_exceptions() -> None:
-    previous = sys.excepthook
+_COMM_TIMEOUT = datetime.timedelta(minutes=30)
 
-    def hook(*exc_info):
+
+def apply_timeout(groups: list[dist.ProcessGroup]) -> None:
+    """The comm timeout on groups made after start (a DeviceMesh's sub-groups take torch's default)."""
+    for group in groups:
+        dist.distributed_c10d._set_pg_timeout(_COMM_TIMEOUT, group)
+
+
+def _die_with_the_launcher() -> None:
+    """A worker of `cpctl launch` ends when its launcher does, even by SIGKILL (the OOM killer, a
+    scheduler): otherwise it would move to PID 1 and keep training, and keep its GPU memory."""
+    if not os.environ.get(ERROR_DIR_ENV_VAR) or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills this process when its parent dies
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class _ExceptHook:
+    """sys.excepthook of a cpctl worker: notes the failure (no exit barrier), then reports it."""
+
+    def __init__(self, original: Callable[..., object]) -> None:
+        self.original = original  # the hook before torch's
+        self.torch: Callable[..., object] | None = None  # torch's prefixing wrapper of it
+
+    def __call__(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         global _FAILED
         _FAILED = True
-        previous(*exc_info)
+        if not os.environ.get(ERROR_DIR_ENV_VAR):  # not under cpctl launch: Python's traceback
+            prefixed = _PREFIX_TEMPLATE_ENV_VAR in os.environ or self.torch is None
+            (self.original if prefixed else self.torch)(exc_type, exc, tb)
+            return
+        if issubclass(exc_type, KeyboardInterrupt):
+            return  # Ctrl-C: the launcher says so once, for every worker
+        try:
+            report_failure(exc, tb)
+        except Exception:  # never lose the error to a bug in the report
+            self.original(exc_type, exc, tb)
 
-    sys.excepthook = hook
+
+def summary(exc: BaseException) -> str:
+    """One line: a CpctlError's own message; for anything else its type and first line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if isinstance(exc, CpctlError):
+        return " ".join(lines) or type(exc).__name__
+    kind = type(exc).__qualname__
+    module = type(exc).__module__
+    if module not in ("builtins", "__main__"):
+        kind = f"{module}.{kind}"
+    first = lines[0] if lines else ""
+    if len(first) > 300:
+        first = first[:297] + "..."
+    return f"{kind}: {first}" if first else kind
+
+
+def report_failure(exc: BaseException, tb: TracebackType | None) -> None:
+    """Write this rank's traceback and error file; print one line only if torchrun will restart."""
+    rank = int(os.environ.get("RANK", "0"))
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    restarts_left = restarts - attempt
+    attempt_tag = f"-attempt{attempt}" if restarts else ""  # each attempt keeps its own
+    path = Path(os.environ[ERROR_DIR_ENV_VAR]) / f"rank{rank}{attempt_tag}-traceback.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(traceback.format_exception(type(exc), exc, tb)))
+    report = {
+        "rank": rank,
+        "host": socket.gethostname(),
+        "summary": summary(exc) + _who_stopped_answering(exc),
+        "traceback_file": str(path),
+        "time": time.time(),
+        "peer_lost": _looks_like_a_lost_peer(exc),
+    }
+    first = _claim_first_failure(report)
+    report["after"] = first  # the rank that failed before this one, or None if this one was first
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file:
+        raise RuntimeError("no TORCHELASTIC_ERROR_FILE: the launcher would not see the report")
+    data = {
+        "message": {  # torchelastic's own format (ErrorHandler.record_exception)
+            "message": report["summary"],
+            "extraInfo": {"py_callstack": path.read_text(), "timestamp": str(int(report["time"]))},
+        },
+        REPORT_KEY: report,
+    }
+    Path(error_file).write_text(json.dumps(data))
+    if restarts_left > 0 and first is None:  # the launcher reports only the last attempt
+        print(f"failed: {report['summary']} (traceback: {path}); torchrun restarts the workers "
+              f"({restarts_left} restart{'s' if restarts_left > 1 else ''} left)", file=sys.stderr, flush=True)
+
+
+def _who_stopped_answering(exc: BaseException) -> str:
+    """After a collective timed out: which ranks stopped answering.
+
+    Every rank whose collective times out checks in at the store; the ranks that have not
+    checked in after a few seconds are the ones stuck elsewhere (or dead). The store, not a
+    collective: the group itself may be broken after the timeout, and the stuck rank would
+    never join a new one.
+    """
+    text = str(exc).lower()
+    if ("timed out" not in text and "timeout" not in text) or not dist.is_initialized() or dist.get_world_size() == 1:
+        return ""
+    waited = f"after {_COMM_TIMEOUT.total_seconds():.0f} s"
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(_STORE_TIMEOUT)
+        store.set(f"cpctl/timed_out/{dist.get_rank()}", "1")
+        world = dist.get_world_size()
+        deadline = time.monotonic() + _CHECK_IN_SECONDS
+        while True:
+            silent = [r for r in range(world) if not store.check([f"cpctl/timed_out/{r}"])]
+            if not silent or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    except Exception:  # noqa: BLE001 - no store to ask: say what is known
+        return f" ({waited})"
+    if not silent:
+        return f" ({waited}; every rank timed out: a rank outside this group, or a slow collective)"
+    names = ", ".join(map(str, silent))
+    return f" ({waited}; rank{'s' if len(silent) > 1 else ''} {names} stopped answering)"
+
+
+_CHECK_IN_SECONDS = 5.0  # how long the ranks whose collective timed out wait for each other
+
+
+def _looks_like_a_lost_peer(exc: BaseException) -> bool:
+    if isinstance(exc, getattr(dist, "DistNetworkError", ())):
+        return True
+    text = str(exc).lower()
+    return any(fragment in text for fragment in _PEER_LOST)
+
+
+def _claim_first_failure(report: dict) -> dict | None:
+    """Record this rank as the first to fail, unless another was: then return that one's report."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    mine = json.dumps({key: report[key] for key in ("rank", "host", "summary", "traceback_file")})
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set_timeout(_STORE_TIMEOUT)
+        first = json.loads(store.compare_set(_FIRST_FAILURE_KEY, "", mine))
+    except Exception:  # no store, a dead store: count this failure as a first one
+        return None
+    return None if first.get("rank") == report["rank"] else first
 
 
 def _shutdown(on_exit: Callable[[], None]) -> None:

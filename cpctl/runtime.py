@@ -443,8 +443,9 @@ def init(**overrides: Any) -> Runtime:
     profile = _profile_for_this_process(overrides)
     device = _device_for(profile)
     if not dist.is_initialized():
-        process.start(device, on_exit=_forget_runtime)
+        process.start(device, on_exit=_forget_runtime, timeout_s=profile.launch.comm_timeout)
     mesh, axes = build_mesh(profile.parallelism, device_type=device.type)
+    process.apply_timeout([axis.get_group() for axis in axes.values() if axis.ndim == 1])
     _RUNTIME, _INIT_OVERRIDES = Runtime(config=profile, mesh=mesh, device=device, axes=axes), dict(overrides)
     return _RUNTIME
 

@@ -3,17 +3,25 @@
 Each launch costs an `import torch` (seconds on a small box), so there are few of them and the
 worker (tests/workers/launch_probe.py) imports no torch: it writes one JSON file per rank with
 what the launcher gave it (RANK, WORLD_SIZE, LOCAL_RANK, CPCTL_RESOLVED_PROFILE, its argv).
+What a failure looks like is tested with tests/workers/failing_worker.py, which starts the
+runtime (and so imports torch) before one rank fails.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
+import pytest
 from launching import REPO, TIMEOUT, cpctl, finish
+
+from cpctl.errors import CpctlError
+from cpctl.launcher import check_cuda_devices
 
 PROBE = REPO / "tests" / "workers" / "launch_probe.py"
 
@@ -42,8 +50,9 @@ def test_two_cpu_workers_get_their_ranks_and_the_profile(tmp_path: Path) -> None
         assert record["extra_args"] == ["--extra", "7"]  # script args pass through untouched
         par = record["profile"]["parallelism"]
         assert (par["cp_size"], par["dp_shard_size"], par["cp_comm_strategy"]) == (2, 1, "alltoall")
-        assert record["profile"]["launch"] | {} == {"device": "cpu", "nnodes": 1, "nproc_per_node": 2, "node_rank": 0,
-                                                     "rdzv_endpoint": None, "max_restarts": 0}
+        expected = {"device": "cpu", "nnodes": 1, "nproc_per_node": 2, "node_rank": 0, "rdzv_endpoint": None,
+                    "max_restarts": 0}
+        assert {key: record["profile"]["launch"].get(key) for key in expected} == expected
     # every line a worker prints is prefixed with its global rank
     assert "[rank0]: probe says hello (world 2)" in out and "[rank1]: probe says hello (world 2)" in out
 
@@ -103,3 +112,131 @@ def _is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z"
     except OSError:
         return True
+
+
+# ----------------------------------------------------------------------------- when a worker fails
+
+FAILING = REPO / "tests" / "workers" / "failing_worker.py"
+
+
+def error_report(err: str) -> tuple[str, Path, str]:
+    """(the `error:` line, the traceback file it names, the last line) of a failed launch's stderr."""
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("note:")]
+    errors = [line for line in lines if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    traceback_lines = [line for line in lines if line.startswith("  traceback: ")]
+    assert len(traceback_lines) == 1, err
+    return errors[0], Path(traceback_lines[0].removeprefix("  traceback: ")), lines[-1]
+
+
+def assert_quiet(out: str, err: str) -> None:
+    """No traceback, no doubled rank prefix, no peer's gloo error, no torchelastic log line."""
+    text = out + err
+    for noise in ("Traceback", "[rank0]: [rank0]:", "[rank1]: [rank1]:", "Connection closed by peer",
+                  "torch/distributed/elastic", "closing signal"):
+        assert noise not in text, text
+
+
+def test_a_cpctl_error_in_a_worker_is_one_line_naming_its_rank(tmp_path: Path) -> None:
+    # rank 1 shards 7 tokens over 2 CP ranks (a CpctlError); rank 0 then loses its peer in a barrier
+    code, out, err = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(FAILING),
+                                  "--rank", "1", tmp_path=tmp_path))
+    assert code == 1, out + err
+    assert "[rank0]: worker ready" in out and "[rank1]: worker ready" in out  # the script's own output stays
+    error, traceback_file, last = error_report(err)
+    assert error == ("error: rank 1: sequence length 7 is not divisible by 2 * cp_size (4) with cp_load_balance; "
+                     "pad the sequence to 8 tokens or choose another cp_size")
+    assert last.startswith("  worker rank 1 (local rank 1, pid ") and " exited with code 1" in last, err
+    assert_quiet(out, err)
+    try:
+        text = traceback_file.read_text()
+        assert text.startswith("Traceback (most recent call last):") and "failing_worker.py" in text
+        assert text.rstrip().endswith("cpctl.errors.CpctlError: " + error.removeprefix("error: rank 1: "))
+        assert traceback_file.name == "rank1-traceback.txt"
+    finally:
+        shutil.rmtree(traceback_file.parent, ignore_errors=True)
+
+
+def test_a_scripts_own_exception_shows_its_type_and_message(tmp_path: Path) -> None:
+    code, out, err = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(FAILING),
+                                  "--rank", "0", "--error", "value", tmp_path=tmp_path))
+    assert code == 1, out + err
+    error, traceback_file, last = error_report(err)
+    assert error == "error: rank 0: ValueError: batch 3 has no labels"
+    assert last.startswith("  worker rank 0 (local rank 0, pid ") and " exited with code 1" in last, err
+    assert_quiet(out, err)
+    try:
+        assert traceback_file.read_text().rstrip().endswith("ValueError: batch 3 has no labels")
+    finally:
+        shutil.rmtree(traceback_file.parent, ignore_errors=True)
+
+
+def test_with_restarts_each_failed_attempt_is_one_line(tmp_path: Path) -> None:
+    code, out, err = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--max-restarts", "1",
+                                  str(FAILING), "--rank", "1", "--error", "value", tmp_path=tmp_path))
+    assert code == 1, out + err
+    [restart] = [line for line in err.splitlines() if "torchrun restarts" in line]
+    assert restart.startswith("[rank1]: failed: ValueError: batch 3 has no labels (traceback: ")
+    assert restart.endswith("rank1-attempt0-traceback.txt); torchrun restarts the workers (1 restart left)")
+    error, traceback_file, _ = error_report(err)
+    assert error == "error: rank 1: ValueError: batch 3 has no labels"
+    assert traceback_file.name == "rank1-attempt1-traceback.txt"
+    assert_quiet(out, err)
+    shutil.rmtree(traceback_file.parent, ignore_errors=True)
+
+
+def test_a_script_exiting_2_is_told_apart_from_a_cpctl_usage_error(tmp_path: Path) -> None:
+    # argparse in the script exits 2 (no --out): cpctl passes the 2 on, and says a worker exited with it
+    code, out, err = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", str(PROBE), tmp_path=tmp_path))
+    assert code == 2, out + err
+    assert "[rank0]: launch_probe.py: error: the following arguments are required: --out" in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: worker rank ") and "exited with code 2" in last and "its output is above" in last
+    # cpctl's own usage error, for comparison: exit 2 too, but no worker named and nothing started
+    code, out, err = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "3", str(PROBE),
+                                  tmp_path=tmp_path))
+    assert code == 2 and "worker rank" not in err and "[rank" not in out + err, out + err
+
+
+def test_a_node_waiting_for_the_others_says_so(tmp_path: Path) -> None:
+    endpoint = f"localhost:{free_port()}"
+    profile = tmp_path / "two-nodes.yaml"
+    profile.write_text(f"version: 1\nlaunch:\n  device: cpu\n  nnodes: 2\n  nproc_per_node: 1\n  node_rank: 0\n"
+                       f"  rdzv_endpoint: {endpoint}\n")
+    proc = cpctl("--config", str(profile), str(PROBE), "--out", str(tmp_path / "out"), tmp_path=tmp_path)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stderr), daemon=True)  # type: ignore[arg-type]
+    reader.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not any("still waiting" in line for line in lines):
+        assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    code = proc.wait(timeout=TIMEOUT)
+    reader.join(timeout=10)
+    err = "".join(lines)
+    assert code == 130, err
+    assert f"cpctl: rendezvous at {endpoint}: waiting for 2 nodes (this one included; gives up after 600 s)" in err
+    assert f"cpctl: still waiting at {endpoint}: 1 of 2 nodes joined after 5 s (gives up after 600 s;" in err
+    assert err.strip().splitlines()[-1] == ("error: interrupted while waiting at the rendezvous (1 of 2 nodes joined); "
+                                            "no worker was started")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    ("count", "visible", "fragments"),
+    [
+        (3, "0,1,2,7", ["CUDA_VISIBLE_DEVICES=0,1,2,7 names 4 GPUs but torch sees 3 GPUs (nproc_per_node 4)",
+                        "`nvidia-smi -L`", "--nproc-per-node 3"]),
+        (0, "4,5,6,7", ["CUDA_VISIBLE_DEVICES=4,5,6,7 names 4 GPUs but torch sees no GPU", "--device cpu"]),
+        (2, None, ["torch sees 2 GPUs but nproc_per_node is 4", "--nproc-per-node 2"]),
+    ],
+)
+def test_gpus_torch_cannot_see_are_refused_before_spawning(count: int, visible: str | None,
+                                                           fragments: list[str]) -> None:
+    environ = {} if visible is None else {"CUDA_VISIBLE_DEVICES": visible}
+    with pytest.raises(CpctlError) as caught:
+        check_cuda_devices(4, device_count=count, environ=environ)
+    for fragment in fragments:
+        assert fragment in str(caught.value)
+    check_cuda_devices(4, device_count=4, environ={"CUDA_VISIBLE_DEVICES": "0,1,2,3"})  # enough: no error

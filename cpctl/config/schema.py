@@ -160,6 +160,8 @@ class Launch:
     rdzv_endpoint: str | None = key(ENDPOINT, None, "rendezvous address for several machines",
                                     prompt="Rendezvous endpoint, host:port of the node_rank-0 machine")
     max_restarts: int = key(integer(minimum=0), 0, "times the elastic agent restarts failed workers")
+    comm_timeout: int = key(integer(minimum=1), 1800, "seconds a collective waits for its peers before the job "
+                            "fails and names the rank that stopped answering (every process group)")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,94 @@
+"""Faults through real launches (CPU, gloo): a killed worker is restarted and the run resumes
+with an uninterrupted run's losses; a hung rank ends the job within the comm timeout, named;
+workers die with a SIGKILLed launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from launching import REPO, cpctl, finish, launch_env
+
+SCRIPT = REPO / "scripts" / "train_llama.py"
+WORKER = REPO / "tests" / "workers" / "fault_worker.py"
+STEPS, KILL_AFTER = 8, 3
+SLOW = ("--seq-len", "1024")  # steps long enough (a few tenths of a second) to kill a worker mid-run
+TOLERANCE = 1e-4
+
+
+def worker_pids(marker: str) -> list[int]:
+    """Processes whose command line holds `marker` (the workers of one test's launch)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return [pid for pid in found if pid != os.getpid()]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    out = tmp / "losses.json"
+    code, stdout, stderr = finish(cpctl("--profile", "cpu-try", str(SCRIPT), "--steps", str(STEPS), *SLOW,
+                                        "--losses-out", str(out), tmp_path=tmp))
+    assert code == 0, stdout + stderr
+    return json.loads(out.read_text())["losses"]
+
+
+@pytest.mark.parametrize("attempt", range(3))  # a restart must work every time, not one time in five
+def test_a_killed_worker_is_restarted_and_the_run_resumes(uninterrupted, tmp_path: Path, attempt: int) -> None:
+    out, ckpt = tmp_path / "losses.json", tmp_path / f"ckpt-{attempt}"
+    proc = cpctl("--profile", "cpu-try", "--max-restarts", "1", str(SCRIPT), "--steps", str(STEPS), *SLOW,
+                 "--checkpoint-dir", str(ckpt), "--save-every", "1", "--losses-out", str(out),
+                 tmp_path=tmp_path)
+    saved = ckpt / f"step-{KILL_AFTER:09d}"
+    deadline = time.monotonic() + 90
+    while not saved.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # kill one worker as soon as step KILL_AFTER is saved
+    victims = worker_pids(str(ckpt))
+    assert victims and proc.poll() is None, "the run ended before a worker could be killed"
+    os.kill(max(victims), signal.SIGKILL)
+    code, stdout, stderr = finish(proc)
+    output = stdout + stderr
+    assert code == 0, output
+    run = json.loads(out.read_text())
+    assert 0 < run["first_step"] <= KILL_AFTER + 1, output  # resumed from a checkpoint, not from scratch
+    for step, loss in enumerate(run["losses"], start=run["first_step"]):
+        assert abs(loss - uninterrupted[step]) <= TOLERANCE, (step, run, uninterrupted)
+
+
+def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path: Path) -> None:
+    start = time.monotonic()
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--comm-timeout", "5",
+                                        str(WORKER), "hang", tmp_path=tmp_path))
+    elapsed = time.monotonic() - start
+    assert code != 0 and elapsed < 60, (elapsed, stdout, stderr)
+    assert "error: rank 0:" in stderr and "rank 1 stopped answering" in stderr, stderr
+
+
+def test_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+    proc = cpctl("--device", "cpu", "--nproc-per-node", "2", str(WORKER), "sleep", str(tmp_path), tmp_path=tmp_path)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
+    assert len(pids) == 2, "the workers did not start"
+    proc.kill()  # SIGKILL: no handler runs in the launcher
+    proc.communicate()
+    deadline = time.monotonic() + 15
+    while any(Path(f"/proc/{pid}").exists() for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    for pid in alive:  # do not leave them behind even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, f"workers {alive} outlived their launcher"
