@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import sys
@@ -137,16 +138,22 @@ def launch(plan: Plan) -> None:
         import torch
 
         check_cuda_devices(profile.launch.nproc_per_node, device_count=torch.cuda.device_count(), environ=os.environ)
-    # Each worker writes its traceback here when it fails (see cpctl.process); removed when empty.
+    # One directory per launch: each worker writes its traceback here when it fails (see
+    # cpctl.process), and torchrun its logs (else it leaves a torchelastic_* directory in /tmp
+    # every time). Removed after a launch that went well; kept, and named, after a failure.
     error_dir = tempfile.mkdtemp(prefix="cpctl-")
+    argv = [f"--log-dir={Path(error_dir) / 'torchrun'}", *plan.torchrun_args]
     try:
         with _environ({**plan.env, ERROR_DIR_ENV_VAR: error_dir}):
-            _run_torchrun(list(plan.torchrun_args), nnodes=profile.launch.nnodes)
+            _run_torchrun(argv, nnodes=profile.launch.nnodes)
     except KeyboardInterrupt:  # Ctrl-C before torchrun's agent installed its own handlers
+        shutil.rmtree(error_dir, ignore_errors=True)
         raise LaunchError("interrupted; workers stopped", exit_code=128 + signal.SIGINT) from None
-    finally:
-        with contextlib.suppress(OSError):
-            os.rmdir(error_dir)
+    except LaunchError as failure:
+        if not any(Path(error_dir).glob("*traceback*.txt")):  # nothing of the workers' to look at
+            shutil.rmtree(error_dir, ignore_errors=True)
+        raise failure
+    shutil.rmtree(error_dir, ignore_errors=True)
 
 
 def check_cuda_devices(nproc_per_node: int, *, device_count: int, environ: Mapping[str, str]) -> None:
