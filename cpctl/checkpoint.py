@@ -39,21 +39,32 @@ _META = "cpctl-meta.pt"
 
 @dataclass
 class Checkpointer:
-    """Saves to and resumes from `directory`, keeping the newest `keep` checkpoints."""
+    """Saves to and resumes from `directory`, keeping the newest `keep` checkpoints.
+
+    `async_save=True`: `save` copies the state to CPU memory and returns while a background
+    thread writes it; the checkpoint is completed (renamed, counted) at the next `save`,
+    `load`, or `wait()`. Call `wait()` before the script ends.
+    """
 
     directory: str | os.PathLike
     keep: int = 3
+    async_save: bool = False
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
         if self.keep < 1:
             raise CpctlError(f"Checkpointer(keep={self.keep}): keep at least 1 checkpoint")
+        self._pending: tuple[Any, Path, Path] | None = None  # (future, partial, final) of an async save
+        self._cpu_group = None  # async writes need a group that takes CPU tensors (gloo)
+        if self.async_save and dist.is_initialized() and dist.get_backend() != "gloo":
+            self._cpu_group = dist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------ save
 
     def save(self, step: int, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
              loader: Any = None, extra: dict[str, Any] | None = None) -> Path:
         """Write checkpoint `step` (collective: every rank calls it); returns its directory."""
+        self.wait()
         final = self.directory / f"step-{step:09d}"
         partial = final.with_name(final.name + _PARTIAL)
         if _is_main():
@@ -62,11 +73,30 @@ class Checkpointer:
                 shutil.rmtree(stale, ignore_errors=True)
         _barrier()
         model_state, optim_state = get_state_dict(model, optimizer if optimizer is not None else [])
-        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(partial))
+        state = {"model": model_state, "optim": optim_state}
         meta = {"step": step, "world_size": _world(), "rng": _rng_state(),
                 "loader": loader.state_dict() if loader is not None and hasattr(loader, "state_dict") else None,
                 "extra": extra or {}}
+        if self.async_save:
+            future = dcp.async_save(state, checkpoint_id=str(partial), process_group=self._cpu_group)
+            partial.mkdir(parents=True, exist_ok=True)
+            torch.save(meta, partial / f"rank{_rank()}-{_META}")
+            self._pending = (future, partial, final)
+            return final
+        dcp.save(state, checkpoint_id=str(partial))
         torch.save(meta, partial / f"rank{_rank()}-{_META}")
+        self._complete(partial, final)
+        return final
+
+    def wait(self) -> None:
+        """Finish an asynchronous save in flight (collective); nothing to do otherwise."""
+        if self._pending is not None:
+            future, partial, final = self._pending
+            self._pending = None
+            future.result()
+            self._complete(partial, final)
+
+    def _complete(self, partial: Path, final: Path) -> None:
         _barrier()  # every rank's shards are on disk before the checkpoint counts
         if _is_main():
             if final.exists():
@@ -75,7 +105,6 @@ class Checkpointer:
             for old in self.checkpoints()[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         _barrier()
-        return final
 
     # ------------------------------------------------------------------ load
 
@@ -90,12 +119,14 @@ class Checkpointer:
                     loader: Any = None) -> int:
         """Restore the newest checkpoint into `model` (and `optimizer`, `loader`); returns its step,
         0 when there is none. Collective: every rank calls it."""
+        self.wait()
         found = self.checkpoints()
         return self.load(found[-1], model=model, optimizer=optimizer, loader=loader)["step"] if found else 0
 
     def load(self, path: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
              loader: Any = None) -> dict[str, Any]:
         """Restore checkpoint `path`; returns its metadata (step, extra). Works at any parallel layout."""
+        self.wait()
         path = Path(path)
         if path.name.endswith(_PARTIAL) or not (path / ".metadata").is_file():
             raise CpctlError(f"{path}: not a complete cpctl checkpoint (interrupted while written?); "

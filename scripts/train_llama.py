@@ -40,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--losses-out", default=None)
     p.add_argument("--checkpoint-dir", default=None, help="save here, and resume from the newest checkpoint here")
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: none)")
+    p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
     p.add_argument("--stop-after", type=int, default=None, help="end after this many steps of the schedule "
                    "(--steps still sets the data and schedule), e.g. to resume later")
     return p.parse_args(argv)
@@ -89,10 +90,12 @@ def main(argv=None):
               f"device {rt.device.type}, {n_params:,} parameters (ready in {time.perf_counter() - built:.1f} s); "
               f"{args.steps} steps of {args.global_batch} x {args.seq_len} tokens",
               flush=True)
-    checkpoints = cpctl.Checkpointer(args.checkpoint_dir) if args.checkpoint_dir else None
+    checkpoints = cpctl.Checkpointer(args.checkpoint_dir, async_save=args.async_save) if args.checkpoint_dir else None
+    loading = time.perf_counter()
     first = checkpoints.load_latest(model=model, optimizer=optimizer, loader=loader) if checkpoints else 0
     if first and rt.is_main:
-        print(f"cpctl: resumed from the checkpoint of step {first} in {args.checkpoint_dir}", flush=True)
+        print(f"cpctl: resumed from the checkpoint of step {first} in {args.checkpoint_dir} "
+              f"({time.perf_counter() - loading:.1f} s)", flush=True)
     losses = []
     start = time.perf_counter()
     for step, batch in enumerate(loader, start=first):
@@ -106,9 +109,15 @@ def main(argv=None):
             print(f"step {step:3d}  loss {loss:.4f}  {seconds:.2f} s  {tokens_per_s:,.0f} tokens/s  "
                   f"{label} {peak:.2f} GiB", flush=True)
         if checkpoints and args.save_every and (step + 1) % args.save_every == 0:
+            saving = time.perf_counter()
             checkpoints.save(step + 1, model=model, optimizer=optimizer, loader=loader)
+            if rt.is_main:
+                print(f"cpctl: checkpoint of step {step + 1} {'handed to the writer' if args.async_save else 'saved'} "
+                      f"in {time.perf_counter() - saving:.1f} s", flush=True)
         if args.stop_after is not None and step + 1 >= args.stop_after:
             break
+    if checkpoints:
+        checkpoints.wait()  # an asynchronous save still in flight
     elapsed = time.perf_counter() - start
     label, peak = peak_memory_gib(rt.device)
     print(f"rank {rt.rank}: {label} {peak:.2f} GiB; {len(losses) * args.global_batch * args.seq_len / elapsed:,.0f} "

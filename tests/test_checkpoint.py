@@ -95,3 +95,11 @@ print("loaded", sum(p.numel() for p in model.parameters()))
     done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=launch_env(tmp_path), capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0 and "loaded 106816" in done.stdout, done.stdout + done.stderr
+
+
+def test_an_asynchronous_checkpoint_resumes_like_a_blocking_one(saved_at_cp2_dp2, tmp_path: Path) -> None:
+    _, reference = saved_at_cp2_dp2
+    first = launched(tmp_path, ["--nproc-per-node", "2", "--cp-size", "2"], "--checkpoint-dir", str(tmp_path / "ckpt"),
+                     "--save-every", str(HALF), "--stop-after", str(HALF), "--async-save")
+    assert len(first["losses"]) == HALF and (tmp_path / "ckpt" / f"step-{HALF:09d}").is_dir()
+    resumed_equals_reference(plain(tmp_path, "--checkpoint-dir", str(tmp_path / "ckpt")), reference)
