@@ -100,13 +100,18 @@ BAD_INPUTS = {
 }
 
 
-@pytest.mark.parametrize("name", BAD_INPUTS)
-def test_bad_input_is_a_clear_error(cp_ranks, name: str) -> None:
-    for result in case(cp_ranks, "bad_inputs"):
+def assert_clear_errors(cp_ranks, case_name: str, name: str, expected: dict) -> None:
+    """On every rank, `name` of the worker's case raised a CpctlError holding every fragment."""
+    for result in case(cp_ranks, case_name):
         error = result[name]
         assert error["type"] == "CpctlError", error
-        for fragment in BAD_INPUTS[name]:
+        for fragment in expected[name]:
             assert fragment in error["message"], error["message"]
+
+
+@pytest.mark.parametrize("name", BAD_INPUTS)
+def test_bad_input_is_a_clear_error(cp_ranks, name: str) -> None:
+    assert_clear_errors(cp_ranks, "bad_inputs", name, BAD_INPUTS)
 
 
 MISUSE = {
@@ -120,11 +125,7 @@ MISUSE = {
 
 @pytest.mark.parametrize("name", MISUSE)
 def test_misuse_is_a_clear_error_on_every_rank(cp_ranks, name: str) -> None:
-    for result in case(cp_ranks, "misuse"):
-        error = result[name]
-        assert error["type"] == "CpctlError", error
-        for fragment in MISUSE[name]:
-            assert fragment in error["message"], error["message"]
+    assert_clear_errors(cp_ranks, "misuse", name, MISUSE)
 
 
 def test_an_optimizer_made_before_prepare_model_is_refused_in_one_process(single_rank) -> None:
