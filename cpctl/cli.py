@@ -67,7 +67,7 @@ MESH_HEAD_ROWS, MESH_TAIL_ROWS = 16, 4  # larger worlds print the first and last
 # gets the same one-line error whether it came from a flag, a variable or a file.
 
 PROFILE_FLAGS: tuple[Key, ...] = tuple(spec for spec in KEYS.values() if spec.path != "version")
-_PANELS = {"parallelism": "Parallelism", "fsdp": "FSDP", "launch": "Machines", "": "Model"}
+_PANELS = {"parallelism": "Parallelism", "fsdp": "FSDP", "launch": "Machines", "": "Model"}  # else the section, capitalized
 
 
 def _param_name(spec: Key) -> str:
@@ -79,7 +79,7 @@ def _flag_parameter(spec: Key) -> inspect.Parameter:
         spec.flag,
         help=f"{spec.help} ({spec.allowed}; env {spec.env_var})",
         metavar="N" if "integer" in spec.allowed else "VALUE",
-        rich_help_panel=_PANELS[spec.path.rpartition(".")[0]],
+        rich_help_panel=_PANELS.get(spec.path.rpartition(".")[0], spec.path.rpartition(".")[0].capitalize()),
         show_default=False,
     )
     return inspect.Parameter(

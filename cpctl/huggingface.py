@@ -269,3 +269,81 @@ def _after_forward(model: nn.Module, output: Any, runtime: Runtime):
     runtime.reduce_over_dp_cp(mean)
     output.loss = loss + (mean / runtime.axes["dp_cp"].size() - loss.detach())
     return output
+
+
+# ---------------------------------------------------------------------------- a loss without full logits
+
+
+def causal_lm_loss(model: nn.Module, runtime: Runtime, *, input_ids: torch.Tensor, labels: torch.Tensor,
+                   chunk_tokens: int, **kwargs: Any) -> torch.Tensor:
+    """The model's causal-LM loss (the global token mean) from its final hidden states and its
+    output embedding, chunk by chunk: the full logits are never built. `labels` as for
+    `model(labels=...)`: unshifted, sharded like `input_ids` under CP."""
+    from cpctl.losses import chunked_linear_cross_entropy
+
+    head = model.get_output_embeddings()
+    decoder = _decoder(model)
+    if head is None or decoder is None:
+        raise CpctlError(f"{type(model).__name__} has no output embedding and decoder to take a chunked loss from; "
+                         "compute the loss from its logits with rt.token_mean")
+    captured: list[torch.Tensor] = []
+    hook = decoder.register_forward_hook(lambda module, args, output: captured.append(
+        output[0] if isinstance(output, tuple) else output.last_hidden_state))
+    try:  # logits for the last token only: the check below, not the loss
+        output = model(input_ids=input_ids, use_cache=False, logits_to_keep=1, **kwargs)
+    finally:
+        hook.remove()
+    hidden = captured[-1]
+    transform = _logit_transform(model.config)
+    _check_logits(output.logits[:, -1], hidden[:, -1], head, transform, model)
+    shifted = runtime.shift_sharded(labels, ignore_index=IGNORE_INDEX) if runtime.cp_active else _shift(labels)
+    loss_sum = chunked_linear_cross_entropy(hidden, head.weight, shifted, bias=head.bias, chunk_tokens=chunk_tokens,
+                                            ignore_index=IGNORE_INDEX, transform=transform)
+    return runtime.token_mean(loss_sum, shifted)
+
+
+def _decoder(model: nn.Module) -> nn.Module | None:
+    """The module whose output is the final hidden states (`model.model` in most causal LMs)."""
+    for candidate in (getattr(model, "get_decoder", lambda: None)(), getattr(model, "model", None), model.base_model):
+        if isinstance(candidate, nn.Module) and candidate is not model:
+            return candidate
+    return None
+
+
+def _shift(labels: torch.Tensor) -> torch.Tensor:
+    from cpctl.data import shift_labels
+
+    return shift_labels(labels, ignore_index=IGNORE_INDEX)
+
+
+def _logit_transform(config):
+    """What transformers' causal LMs do to lm_head's output before the loss, from their configs."""
+    steps = []
+    if getattr(config, "logit_scale", None) not in (None, 1, 1.0):  # Cohere
+        steps.append(lambda logits, s=config.logit_scale: logits * s)
+    if getattr(config, "logits_scaling", None) not in (None, 1, 1.0):  # Granite
+        steps.append(lambda logits, s=config.logits_scaling: logits / s)
+    if getattr(config, "final_logit_softcapping", None) is not None:  # Gemma 2 and 3
+        steps.append(lambda logits, c=config.final_logit_softcapping: torch.tanh(logits / c) * c)
+    if not steps:
+        return None
+
+    def transform(logits: torch.Tensor) -> torch.Tensor:
+        for step in steps:
+            logits = step(logits)
+        return logits
+
+    return transform
+
+
+def _check_logits(model_logits, last_hidden, head, transform, model) -> None:
+    """The model's own logits of the last token against ours: a model that changes its logits in
+    a way cpctl does not know would otherwise train on a different loss, silently."""
+    with torch.no_grad():
+        ours = head(last_hidden)
+        ours = transform(ours) if transform is not None else ours
+        gap = (ours.float() - model_logits.float()).abs().max().item()
+        scale = model_logits.float().abs().max().item() + 1.0
+    if gap > 1e-3 * scale:
+        raise CpctlError(f"{type(model).__name__} computes its logits in a way cpctl's chunked loss does not "
+                         f"reproduce (gap {gap:.3g}); compute the loss from model(...).logits with rt.token_mean")

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from cpctl.errors import CpctlError
+
 
 def token_mean(loss_sum: torch.Tensor, labels: torch.Tensor, *, group: DeviceMesh, ignore_index: int = -100) -> torch.Tensor:
     """The token-mean loss over `group` (the dp x cp ranks) from this rank's summed loss."""
@@ -53,3 +55,71 @@ def document_mean(token_losses: torch.Tensor, labels: torch.Tensor, *, starts: l
     weights = (1.0 / counts.clamp(min=1))[doc] * kept
     share = (token_losses * weights).sum() * (dp_cp.size() / total_docs)
     return share + (total_means / total_docs - share).detach()
+
+
+# ----------------------------------------------------------------------------- chunked cross-entropy
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum over tokens of CE(transform(hidden @ weight.T + bias), labels), a chunk of tokens at a time.
+
+    Neither the full logits, nor their fp32 copy, nor their gradient exist at once: the forward
+    keeps only the loss, the backward recomputes each chunk's logits and differentiates them
+    on the spot. With a 128k vocabulary that is tens of GiB fewer at long lengths.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, chunk_tokens, ignore_index, transform):
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            rows = slice(start, start + chunk_tokens)
+            logits = _logits(hidden[rows], weight, bias, transform)
+            total += torch.nn.functional.cross_entropy(logits, labels[rows], ignore_index=ignore_index, reduction="sum")
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.chunk_tokens, ctx.ignore_index, ctx.transform = chunk_tokens, ignore_index, transform
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        hidden, weight, bias, labels = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        weight_leaf = weight.detach().requires_grad_()
+        bias_leaf = bias.detach().requires_grad_() if bias is not None else None
+        leaves = [weight_leaf] + ([bias_leaf] if bias_leaf is not None else [])
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if bias is not None else None
+        for start in range(0, hidden.shape[0], ctx.chunk_tokens):
+            rows = slice(start, start + ctx.chunk_tokens)
+            h = hidden[rows].detach().requires_grad_()
+            with torch.enable_grad():
+                logits = _logits(h, weight_leaf, bias_leaf, ctx.transform)
+                loss = torch.nn.functional.cross_entropy(logits, labels[rows], ignore_index=ctx.ignore_index,
+                                                         reduction="sum")
+                grads = torch.autograd.grad(loss, [h, *leaves], grad_total)
+            grad_hidden[rows] = grads[0]
+            grad_weight += grads[1].float()
+            if grad_bias is not None:
+                grad_bias += grads[2].float()
+        return (grad_hidden, grad_weight.to(weight.dtype), None if bias is None else grad_bias.to(bias.dtype),
+                None, None, None, None)
+
+
+def _logits(hidden, weight, bias, transform):
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    return (transform(logits) if transform is not None else logits).float()
+
+
+def chunked_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                                 bias: torch.Tensor | None = None, chunk_tokens: int = 4096,
+                                 ignore_index: int = -100, transform=None) -> torch.Tensor:
+    """The summed cross-entropy of `hidden @ weight.T (+ bias)` against `labels`, never holding the
+    full logits: `hidden` (..., H), `labels` (...), `weight` (V, H). `transform` is applied to
+    each chunk's logits first (a model's logit scale or softcap). Exact: the same value and
+    gradients as the unchunked loss, chunk by chunk."""
+    if chunk_tokens < 1:
+        raise CpctlError(f"chunk_tokens must be at least 1, got {chunk_tokens}")
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if flat_hidden.shape[0] != flat_labels.shape[0]:
+        raise CpctlError(f"chunked loss: {flat_hidden.shape[0]} hidden states but {flat_labels.shape[0]} labels")
+    return _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_labels, chunk_tokens, ignore_index,
+                                            transform)

@@ -354,6 +354,16 @@ class Runtime:
         self.require_sharded(labels, name="token_mean's labels", seq_dim=1 if labels.dim() > 1 else 0)
         return losses.token_mean(loss_sum, labels, group=self.axes["dp_cp"], ignore_index=ignore_index)
 
+    def causal_lm_loss(self, model: nn.Module, *, input_ids: torch.Tensor, labels: torch.Tensor,
+                       **kwargs: Any) -> torch.Tensor:
+        """A Hugging Face causal LM's loss (the global token mean, as model(labels=...).loss would be
+        without CP) that never holds the full logits: chunks of memory.loss_chunk_tokens tokens.
+        `labels` unshifted, as transformers takes them; under CP sharded like input_ids."""
+        for name, tensor in (("input_ids", input_ids), ("labels", labels)):
+            self.require_sharded(tensor, name=f"causal_lm_loss's {name}", seq_dim=1)
+        return huggingface.causal_lm_loss(model, self, input_ids=input_ids, labels=labels,
+                                          chunk_tokens=self.config.memory.loss_chunk_tokens, **kwargs)
+
     def document_mean(self, token_losses: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor, *,
                       ignore_index: int = -100) -> torch.Tensor:
         """The mean over every packed document of the dp x cp batch of its own token-mean loss

@@ -31,7 +31,7 @@ pytest.importorskip("transformers")
 
 WORKER = REPO / "tests" / "workers" / "hf_zoo.py"
 STRATEGIES = ("allgather", "alltoall")  # cpctl.attention.Strategy's values, spelled out: no torch at collection
-CASES = ("cp", "hf_loss")
+CASES = ("cp", "hf_loss", "chunked_loss")
 TOLERANCE = 1e-5  # fp32
 SEQ, CP = 64, 2  # the worker's sequence length; the launches' cp size
 LAUNCH_TIMEOUT = 900  # seconds for one launch over the whole zoo (about a minute when all goes well)

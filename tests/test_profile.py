@@ -328,8 +328,8 @@ def test_a_key_declared_once_reaches_flags_env_wizard_and_dry_run(tmp_path: Path
     shutil.copytree(REPO / "cpctl", tmp_path / "cpctl", ignore=shutil.ignore_patterns("__pycache__"))
     schema = tmp_path / "cpctl" / "config" / "schema.py"
     anchor = "    activation_checkpointing: bool = key("
-    added = ('    loss_chunk_tokens: int = key(integer(minimum=1), 4096, "tokens per chunk of the loss", '
-             'prompt="Loss chunk tokens")\n')
+    added = ('    prefetch_blocks: int = key(integer(minimum=1), 4096, "blocks to prefetch", '
+             'prompt="Blocks to prefetch")\n')
     assert anchor in schema.read_text()
     schema.write_text(schema.read_text().replace(anchor, added + anchor, 1))
     (tmp_path / "train.py").write_text("print('hi')\n")
@@ -343,17 +343,17 @@ def test_a_key_declared_once_reaches_flags_env_wizard_and_dry_run(tmp_path: Path
 
     def row(dry_run: str) -> list[str]:
         rows = [[cell.strip() for cell in line.split("│")] for line in dry_run.splitlines()]
-        return next(cells for cells in rows if cells[0] == "fsdp.loss_chunk_tokens")
+        return next(cells for cells in rows if cells[0] == "fsdp.prefetch_blocks")
 
-    assert "--loss-chunk-tokens" in cpctl("launch", "--help")
-    dry_run = cpctl("launch", "--device", "cpu", "--loss-chunk-tokens", "8", "--dry-run", "train.py")
-    assert row(dry_run) == ["fsdp.loss_chunk_tokens", "8", "flag --loss-chunk-tokens"]
-    dry_run = cpctl("launch", "--device", "cpu", "--dry-run", "train.py", CPCTL_LOSS_CHUNK_TOKENS="16")
-    assert row(dry_run) == ["fsdp.loss_chunk_tokens", "16", "env CPCTL_LOSS_CHUNK_TOKENS"]
-    cpctl("config", "--yes", "--device", "cpu", "--loss-chunk-tokens", "32", "-o", "p.yaml")
-    assert yaml.safe_load((tmp_path / "p.yaml").read_text())["fsdp"]["loss_chunk_tokens"] == 32
+    assert "--prefetch-blocks" in cpctl("launch", "--help")
+    dry_run = cpctl("launch", "--device", "cpu", "--prefetch-blocks", "8", "--dry-run", "train.py")
+    assert row(dry_run) == ["fsdp.prefetch_blocks", "8", "flag --prefetch-blocks"]
+    dry_run = cpctl("launch", "--device", "cpu", "--dry-run", "train.py", CPCTL_PREFETCH_BLOCKS="16")
+    assert row(dry_run) == ["fsdp.prefetch_blocks", "16", "env CPCTL_PREFETCH_BLOCKS"]
+    cpctl("config", "--yes", "--device", "cpu", "--prefetch-blocks", "32", "-o", "p.yaml")
+    assert yaml.safe_load((tmp_path / "p.yaml").read_text())["fsdp"]["prefetch_blocks"] == 32
     cpctl("config", "--yes", "--device", "cpu", "-o", "q.yaml")  # the wizard asks it: its default is written
-    assert yaml.safe_load((tmp_path / "q.yaml").read_text())["fsdp"]["loss_chunk_tokens"] == 4096
+    assert yaml.safe_load((tmp_path / "q.yaml").read_text())["fsdp"]["prefetch_blocks"] == 4096
 
 
 # ----------------------------------------------------------------------------- hostile and broken input

@@ -146,6 +146,12 @@ class Fsdp:
 
 
 @dataclass(frozen=True)
+class Memory:
+    loss_chunk_tokens: int = key(integer(minimum=1), 4096, "tokens per chunk of rt.causal_lm_loss, which never "
+                                 "holds the full logits (smaller: less memory, more kernel calls)")
+
+
+@dataclass(frozen=True)
 class Launch:
     device: str = key(one_of(AUTO, "cuda", "cpu"), AUTO, "cuda, cpu, or auto (cuda if a GPU is visible)",
                       prompt="Device", choices={
@@ -170,6 +176,7 @@ class Profile:
     parallelism: Parallelism
     fsdp: Fsdp
     attention: str = key(one_of("sdpa", "eager", "flash_attention_2"), "sdpa", "attention implementation")
+    memory: Memory
     launch: Launch
 
     @property
@@ -202,7 +209,7 @@ class Profile:
         return cls(**{path: values[path] for path in KEYS if "." not in path}, **sections)
 
 
-SECTIONS: dict[str, type] = {"parallelism": Parallelism, "fsdp": Fsdp, "launch": Launch}
+SECTIONS: dict[str, type] = {"parallelism": Parallelism, "fsdp": Fsdp, "memory": Memory, "launch": Launch}
 
 
 def _field_names(cls: type) -> list[str]:

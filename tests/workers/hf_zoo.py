@@ -3,14 +3,17 @@
     cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 tests/workers/hf_zoo.py OUT.json [ARCH ...]
         [--wrong-positions] [--wrong-labels]
 
-Per architecture, two cases, each two SGD steps on new data, compared with the same model trained
-as one process on the full sequence:
+Per architecture, three cases, each two SGD steps on new data, compared with the same model
+trained as one process on the full sequence:
 
 * "cp": the README loop (`shift_labels`, `position_ids_like`, `maybe_context_parallel`,
   `token_mean`);
 * "hf_loss": the way accelerate users call a model: `model(input_ids=ids, labels=ids).loss`, no
   position ids, Hugging Face shifting the labels itself; its CP loss is the CP group's mean of
-  the per-rank losses.
+  the per-rank losses;
+* "chunked_loss": `rt.causal_lm_loss(model, input_ids=ids, labels=ids)`, the loss from the final
+  hidden states and the output embedding, 7 tokens at a time (the model's own logit scale or
+  softcap applied), against the same model's `.loss` in one process.
 
 Each case records both sides' losses, the max abs loss difference, the max abs difference of the
 full gradients after step 1, the sequence length the CP model saw (`local_len`, 64 / cp: CP was
@@ -179,7 +182,7 @@ def full_grad(param: nn.Parameter) -> torch.Tensor:
 
 
 def reference_loss(model: nn.Module, ids: torch.Tensor, case: str) -> torch.Tensor:
-    if case == "hf_loss":
+    if case in ("hf_loss", "chunked_loss"):
         return model(input_ids=ids, labels=ids.clone(), use_cache=False).loss
     labels = cpctl.shift_labels(ids)
     logits = model(input_ids=ids, position_ids=cpctl.position_ids_like(ids), use_cache=False).logits
@@ -189,6 +192,12 @@ def reference_loss(model: nn.Module, ids: torch.Tensor, case: str) -> torch.Tens
 
 def cp_loss(rt: cpctl.Runtime, model: nn.Module, ids: torch.Tensor, case: str) -> tuple[float, int]:
     """One CP forward + backward: the loss every rank agrees on, and the sequence length the model saw."""
+    if case == "chunked_loss":
+        raw = ids.clone()
+        with rt.maybe_context_parallel(buffers=[ids, raw], buffer_seq_dims=[1, 1], no_restore_buffers={ids, raw}):
+            loss = rt.causal_lm_loss(model, input_ids=ids, labels=raw)
+            loss.backward()
+        return loss.item(), ids.shape[1]
     if case == "hf_loss":
         raw = ids.clone()
         with rt.maybe_context_parallel(buffers=[ids, raw], buffer_seq_dims=[1, 1], no_restore_buffers={ids, raw}):
@@ -258,7 +267,7 @@ def main() -> None:
     unknown = [n for n in names if n not in ARCHS]
     if unknown:
         raise SystemExit(f"unknown architecture(s) {unknown}; known: {list(ARCHS)}")
-    rt = cpctl.init()
+    rt = cpctl.init(loss_chunk_tokens=7)  # chunks that cut through shards and rows
     # Every requested architecture has an entry from the start: an empty one was not run (yet).
     results: dict = {name: {} for name in names}
 
@@ -268,7 +277,7 @@ def main() -> None:
                 json.dump(results, f, indent=1)
 
     save()
-    cases = tuple(MISTAKES[f] for f in flags) or ("cp", "hf_loss")
+    cases = tuple(MISTAKES[f] for f in flags) or ("cp", "hf_loss", "chunked_loss")
     for name in names:
         start = time.perf_counter()
         # A rank that fails alone leaves the other inside a collective: gloo then aborts or waits for
