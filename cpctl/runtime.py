@@ -199,7 +199,7 @@ class Runtime:
 
     def require_sharded(self, tensor: torch.Tensor | None, *, name: str, seq_dim: int) -> None:
         """Inside maybe_context_parallel: `tensor` must have this step's local length along `seq_dim`."""
-        if tensor is None or not self._cp_active or tensor.dim() <= seq_dim % max(tensor.dim(), 1):
+        if tensor is None or not self._seq_lengths or tensor.dim() <= seq_dim % max(tensor.dim(), 1):
             return
         length = tensor.shape[seq_dim]
         if length in self._seq_lengths.values():
@@ -221,7 +221,7 @@ class Runtime:
         rows = packing.documents_or_none(packing.starts_per_row(self.unshard(position_ids, seq_dim=-1)))
         if self._documents is None:
             self._documents = rows
-        elif (rows or []) * (len(self._documents) if rows and len(rows) == 1 else 1) != self._documents:
+        elif not _same_documents(rows or [(0,)], self._documents):
             raise CpctlError("the model's position_ids and maybe_context_parallel(documents=...) place documents "
                              "differently; pass the same position ids to both")
 
@@ -269,7 +269,13 @@ class Runtime:
             raise CpctlError("maybe_context_parallel: documents must be a tensor of position ids, "
                              "e.g. cpctl.position_ids_for_documents(lengths)")
         if self.cp_size == 1:
-            yield
+            # Nothing to shard, but packed documents must still keep attention inside each one.
+            rows = None if documents is None else packing.documents_or_none(packing.starts_per_row(documents))
+            if rows is None:
+                yield
+                return
+            with self._routing(rows):
+                yield
             return
         self._check_same_inputs(buffers if documents is None else [*buffers, documents])
         self._place(documents, seq_len=buffers[0].shape[buffer_seq_dims[0]] if buffers else 0)
@@ -377,6 +383,12 @@ class Runtime:
                                     dp=self.axes["dp"], dp_cp=self.axes["dp_cp"], ignore_index=ignore_index)
 
 
+def _same_documents(a: list, b: list) -> bool:
+    """Per-row document starts, one row standing for every row of the batch."""
+    rows = max(len(a), len(b))
+    return (a * rows if len(a) == 1 else a) == (b * rows if len(b) == 1 else b)
+
+
 class ResumableSampler(torch.utils.data.DistributedSampler):
     """A DistributedSampler that can start an epoch part-way, where a checkpoint left it."""
 
@@ -406,8 +418,9 @@ class EpochDataLoader(torch.utils.data.DataLoader):
         self.sampler.set_epoch(self._current)
         self.sampler.start_index = self._resume_samples // ranks
         self._samples, self._resume_samples = self._resume_samples, 0
+        epoch_samples = len(self.sampler) * ranks  # the last batch may be short
         for batch in super().__iter__():
-            self._samples += per_batch * ranks
+            self._samples = min(self._samples + per_batch * ranks, epoch_samples)
             yield batch
 
     def state_dict(self) -> dict[str, int]:
@@ -418,6 +431,7 @@ class EpochDataLoader(torch.utils.data.DataLoader):
             raise CpctlError(f"the checkpoint stopped at sample {state['samples']}, which {self.sampler.num_replicas} "
                              "dp ranks cannot split evenly; resume with a dp size that divides it")
         self._epoch, self._resume_samples = state["epoch"], state["samples"]
+        self._current, self._samples = state["epoch"], state["samples"]  # a save before the next batch keeps it
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:

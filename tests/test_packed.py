@@ -57,6 +57,24 @@ def test_packed_training_equals_the_documents_one_by_one(packed_runs, cp: int, s
             assert case["balance"] is None and case["local_chunks"] == 2, (name, case)
 
 
+def test_packed_documents_at_cp_1_keep_attention_inside_each_document(tmp_path: Path) -> None:
+    """One plain process: nothing is sharded, but documents= must still mask the example's SDPA calls."""
+    import subprocess
+    import sys
+
+    from launching import launch_env
+
+    out = tmp_path / "packed.json"
+    done = subprocess.run([sys.executable, str(WORKER), str(out)], cwd=tmp_path, env=launch_env(tmp_path),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    cases = json.loads(out.read_text())["cases"]
+    for name, case in cases.items():
+        if name.endswith("/leak"):
+            continue
+        assert case["loss_vs_alone"] <= TOLERANCE and case["grads_vs_alone"] <= TOLERANCE, (name, case)
+
+
 @pytest.mark.parametrize(("cp", "strategy"), RUNS[:1], ids=["cp2-allgather"])
 def test_attention_across_documents_is_caught(packed_runs, cp: int, strategy: str) -> None:
     leak = packed_runs(cp, strategy)["cases"]["example/mixed/leak"]

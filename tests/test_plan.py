@@ -240,7 +240,7 @@ def test_route_takes_a_causal_mask_as_is_causal_and_rejects_others() -> None:
         return q
 
     q = torch.randn(1, 2, 4, 8)
-    with RouteSDPA(engine):
+    with RouteSDPA(engine, cp_size=2):
         F.scaled_dot_product_attention(q, q, q, attn_mask=causal_bool(4))
         F.scaled_dot_product_attention(q, q, q, attn_mask=additive(causal_bool(4)), scale=0.5)
         F.scaled_dot_product_attention(q, q[:, :1], q[:, :1], None, 0.0, True, enable_gqa=True)
@@ -265,7 +265,7 @@ def test_multihead_attention_is_routed_without_patching_torch() -> None:
     mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
     x = torch.randn(2, 5, 8)
     reference = mha(x, x, x, need_weights=False)[0]
-    with RouteSDPA(engine):
+    with RouteSDPA(engine, cp_size=2):
         routed = mha(x, x, x, need_weights=False)[0]
         with pytest.raises(CpctlError, match="need_weights=False"):
             mha(x, x, x)

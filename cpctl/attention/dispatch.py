@@ -81,6 +81,8 @@ class RouteSDPA(TorchFunctionMode):
         q, k = call["query"], call["key"]
         is_causal = bool(call["is_causal"])
         mask = call["attn_mask"]
+        if mask is not None and self.cp_size == 1:  # nothing sharded: the mask covers the whole sequence
+            return func(*args, **kwargs)
         if mask is not None:
             # A model handing SDPA an explicit causal mask (some Hugging Face paths do) means
             # plain causal attention; any other mask (padding, packing, sliding windows)
