@@ -35,7 +35,13 @@ from cpctl.attention.dispatch import RouteSDPA
 from cpctl.envinfo import require_torch
 from cpctl.errors import CpctlError
 from cpctl.mesh import build_mesh
-from cpctl.parallelize import apply_activation_checkpointing, apply_fsdp, apply_tensor_parallel, find_blocks
+from cpctl.parallelize import (
+    apply_activation_checkpointing,
+    apply_fsdp,
+    apply_tensor_parallel,
+    apply_tiled_mlp,
+    find_blocks,
+)
 
 @dataclass
 class Runtime:
@@ -118,6 +124,8 @@ class Runtime:
         if self.config.parallelism.tp_size > 1:
             apply_tensor_parallel(model, tp_mesh=self.axes["tp"], tp_plan=tp_plan)
         found = list(blocks) if blocks is not None else find_blocks(model)
+        if self.config.memory.tiled_mlp_tokens:  # before checkpointing wraps the blocks
+            apply_tiled_mlp(found, tile_tokens=self.config.memory.tiled_mlp_tokens)
         if checkpointing:
             apply_activation_checkpointing(found, model, recompute_context=self._recompute_context)
             found = find_blocks(model) if blocks is None else found

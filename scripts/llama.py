@@ -79,19 +79,28 @@ class Attention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class Block(nn.Module):
+class MLP(nn.Module):
+    """SwiGLU, token by token (so it can run over the sequence in tiles)."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.attn_norm, self.attn = RMSNorm(cfg.dim), Attention(cfg)
-        self.mlp_norm = RMSNorm(cfg.dim)
         self.gate = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.up = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
         self.down = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
+    def forward(self, h):
+        return self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attn_norm, self.attn = RMSNorm(cfg.dim), Attention(cfg)
+        self.mlp_norm, self.mlp = RMSNorm(cfg.dim), MLP(cfg)
+
     def forward(self, x, position_ids):
         x = x + self.attn(self.attn_norm(x), position_ids)
-        h = self.mlp_norm(x)
-        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+        return x + self.mlp(self.mlp_norm(x))
 
 
 def tp_plan() -> dict:
@@ -99,9 +108,9 @@ def tp_plan() -> dict:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {}
-    for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "gate", "up"):
+    for name in ("attn.q_proj", "attn.k_proj", "attn.v_proj", "mlp.gate", "mlp.up"):
         plan[f"layers.*.{name}"] = ColwiseParallel()
-    for name in ("attn.o_proj", "down"):
+    for name in ("attn.o_proj", "mlp.down"):
         plan[f"layers.*.{name}"] = RowwiseParallel()
     return plan
 

@@ -149,6 +149,8 @@ class Fsdp:
 class Memory:
     loss_chunk_tokens: int = key(integer(minimum=1), 4096, "tokens per chunk of rt.causal_lm_loss, which never "
                                  "holds the full logits (smaller: less memory, more kernel calls)")
+    tiled_mlp_tokens: int = key(integer(minimum=0), 0, "run each block's MLP over the sequence in tiles of this "
+                                "many tokens, recomputed per tile in backward (0: off)")
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,9 @@ def main() -> None:
     if rt.is_main:
         with open(sys.argv[1], "w") as f:
             checkpointed = any("checkpoint" in type(m).__name__.lower() for m in model.modules())
-            json.dump({"checkpointed": checkpointed, "cp": rt.cp_size, "tp": rt.config.parallelism.tp_size,
+            tiled = sum(getattr(m.__dict__.get("forward"), "func", None).__name__ == "tiled_forward"
+                        for m in model.modules() if "forward" in m.__dict__)
+            json.dump({"checkpointed": checkpointed, "tiled_mlps": tiled, "cp": rt.cp_size, "tp": rt.config.parallelism.tp_size,
                        "logits": (full_logits - ref_logits.detach()).abs().max().item(),
                        "grads": grad_error, "n_params": len(grads), "refusals": refusals}, f)
 
