@@ -12,6 +12,7 @@ import contextlib
 import difflib
 import functools
 import inspect
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -283,6 +284,138 @@ def env() -> None:
             table.add_row(section if index == 0 else "", escape(name), escape(value))
         table.add_section()
     _stdout().print(table)
+
+
+_PLAN = "Plan"
+
+
+@app.command(cls=_Command)
+@profile_flags
+def plan(
+    *,
+    model: Annotated[str | None, typer.Option(
+        "--model", help="A preset (tiny, 1b, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b) or a Hugging Face config.json "
+        "(or its directory).", show_default=False, rich_help_panel=_PLAN)] = None,
+    seq_len: Annotated[str | None, typer.Option(
+        "--seq-len", help="Tokens per sequence: 4096, 128k, 1M.", show_default=False, rich_help_panel=_PLAN)] = None,
+    chunked_loss: Annotated[bool, typer.Option(
+        "--chunked-loss", help="The loss is chunked (rt.causal_lm_loss): memory.loss_chunk_tokens tokens of logits "
+        "at a time, never the full logits.", rich_help_panel=_PLAN, **SWITCH)] = False,
+    gpus: Annotated[str | None, typer.Option(
+        "--gpus", help="What if the world were N GPUs: all of them CP unless --cp-size is given.",
+        metavar="N", show_default=False, rich_help_panel=_PLAN)] = None,
+    gpu_memory: Annotated[str, typer.Option(
+        "--gpu-memory", help="GiB per GPU (141: an H200).", metavar="GIB", rich_help_panel=_PLAN)] = "141",
+    batch: Annotated[str, typer.Option(
+        "--batch", help="Sequences per step on each CP group.", metavar="N", rich_help_panel=_PLAN)] = "1",
+    json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.", rich_help_panel=_PLAN, **SWITCH)] = False,
+    config: ConfigOption = None,
+    profile: ProfileOption = None,
+    flags: dict[str, str],
+) -> None:
+    """Peak memory per GPU of a training step, what to turn on when it does not fit, and the
+    longest sequence that fits on 1 to 32 GPUs. Estimated, nothing runs; no torch."""
+    from cpctl import planner
+
+    with user_errors():
+        if model is None:
+            raise CpctlError(f"--model is required: a preset ({', '.join(planner.PRESETS)}) or a Hugging Face config.json")
+        if seq_len is None:
+            raise CpctlError("--seq-len is required, e.g. --seq-len 128k")
+        shape = planner.load_model(model)
+        tokens = planner.parse_tokens(seq_len)
+        world = None if gpus is None else int(planner.parse_number(gpus, what="--gpus", integer=True))
+        memory = planner.parse_number(gpu_memory, what="--gpu-memory", minimum=0.001)
+        sequences = int(planner.parse_number(batch, what="--batch", integer=True))
+        resolved = planner.resolve_setup(flags=flags, config=config, profile_name=profile, gpus=world,
+                                         chunked_loss=chunked_loss, batch=sequences)
+        result = planner.make_plan(shape, resolved.setup, tokens, gpu_memory_gib=memory,
+                                   available=planner.available_options())
+    if json_output:
+        typer.echo(json.dumps({**result.to_dict(), "profile": {"target": resolved.target, "note": resolved.note}},
+                              indent=2))
+        return
+    _print_memory_plan(result, resolved)
+
+
+def _print_memory_plan(result: Any, resolved: Any) -> None:
+    """`cpctl plan`'s tables: the terms at each moment, the advice, the longest sequences."""
+    from cpctl import planner
+
+    out = _stdout()
+    model, estimate = result.model, result.estimate
+    setup = estimate.setup
+    gib = planner.GiB
+    seq = planner.format_tokens(estimate.seq_len)
+    batch = f", {setup.batch} sequences per step" if setup.batch > 1 else ""
+    out.print(f"[bold]cpctl plan[/]: {escape(model.name)} ({model.params / 1e9:.2f}B parameters, vocab "
+              f"{model.vocab_size}, {model.n_layers} layers, dim {model.dim}) at {seq} tokens{batch}", soft_wrap=True)
+    out.print(f"{escape(setup.describe())}; {estimate.local_tokens:,} tokens per GPU", soft_wrap=True)
+    out.print(f"[dim]profile as on {escape(resolved.target)}{'; ' + escape(resolved.note) if resolved.note else ''}[/]",
+              soft_wrap=True)
+    for note in model.notes:
+        out.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
+
+    peak, block = estimate.peak_moment, estimate.block_moment
+    columns = [("loss", "at the loss"), (block, f"block backward: {'MLP' if block == 'mlp_backward' else 'attention'}"),
+               ("optimizer_step", "optimizer step")]
+    table = Table(show_edge=False, title="memory per GPU, GiB", title_justify="left")
+    table.add_column("term")
+    for moment, title in columns:
+        shown_peak = moment == peak or (peak in ("mlp_backward", "attention_backward") and moment == block)
+        table.add_column(f"[bold]{title} (peak)[/]" if shown_peak else title, justify="right")
+    table.add_column("counted as", overflow="fold")
+
+    def cell(value: float) -> str:
+        return f"{value / gib:.1f}" if value >= 0.05 * gib else "-"
+
+    for term in estimate.terms:
+        table.add_row(term.name, *[cell(term.at[moment]) for moment, _ in columns], escape(term.how))
+    table.add_section()
+    at_peak = {moment: moment == peak for moment, _ in columns}
+    table.add_row("[bold]peak allocated[/]", *[f"[bold]{cell(estimate.total(m))}[/]" if at_peak[m] else cell(estimate.total(m))
+                                               for m, _ in columns], "what torch.cuda.max_memory_allocated reports")
+    extra = [("+ allocator headroom", estimate.headroom, f"{planner.ALLOCATOR_HEADROOM:.1%} of the peak: blocks the caching "
+              "allocator cannot reuse"),
+             ("+ CUDA/NCCL overhead", estimate.overhead, "CUDA context, library workspaces, NCCL buffers")]
+    for name, value, how in extra:
+        table.add_row(name, *[cell(value) if at_peak[m] else "" for m, _ in columns], how)
+    verdict = "[green]fits[/]" if estimate.fits else "[bold red]does not fit[/]"
+    table.add_row("[bold]needed[/]", *[f"[bold]{cell(estimate.needed)}[/]" if at_peak[m] else "" for m, _ in columns],
+                  f"of {estimate.gpu_memory_gib:g} GiB: {verdict}")
+    out.print(table)
+
+    if result.suggestions:
+        out.print()
+        out.print(f"[bold]To fit {seq} tokens[/] (GiB needed per GPU):")
+        advice = Table(show_edge=False, show_header=False, box=None, padding=(0, 2))
+        advice.add_column()
+        advice.add_column(justify="right")
+        advice.add_column()
+        for item in result.suggestions:
+            advice.add_row(escape(item.what), f"{item.estimate.needed / gib:.1f} GiB",
+                           "[green]fits[/]" if item.estimate.fits else "[red]does not fit[/]")
+        out.print(advice)
+
+    out.print()
+    scan = Table(show_edge=False, title=f"longest sequence that fits, all GPUs on CP, {estimate.gpu_memory_gib:g} GiB each",
+                 title_justify="left")
+    scan.add_column("GPUs")
+    for gpus, _, _ in result.longest:
+        scan.add_column(str(gpus), justify="right")
+    scan.add_row("these options", *[planner.format_tokens(n) if n else "-" for _, n, _ in result.longest])
+    better = ", ".join(planner.option_names(result.all_options))
+    if result.all_options:
+        scan.add_row(f"+ {escape(better)}", *[planner.format_tokens(n) if n else "-" for _, _, n in result.longest])
+    out.print(scan)
+
+    def needs(found) -> str:
+        return "more than 4096 GPUs" if found is None else f"{found.setup.gpus} GPU{'s' if found.setup.gpus > 1 else ''}"
+
+    line = f"{seq} tokens need {needs(result.needed)} with these options"
+    if result.all_options:
+        line += f", {needs(result.needed_all)} with + {better}"
+    out.print(escape(line) + ".", soft_wrap=True)
 
 
 # ----------------------------------------------------------------------------- dry run

@@ -92,18 +92,39 @@ def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module, *,
                                                         context_fn=context_fn))
 
 
-def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[nn.Module]) -> None:
+def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[nn.Module],
+               cpu_offload: bool = False) -> None:
     try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
     except ImportError:  # torch 2.6 keeps FSDP2 here
-        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     param_dtype = _DTYPES.get(fsdp.mixed_precision)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    # PyTorch's own offload: sharded parameters, gradients and optimizer state live in pinned CPU memory.
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     for block in blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=fsdp.reshard_after_forward)
+        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload,
+                    reshard_after_forward=fsdp.reshard_after_forward)
     # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+
+
+def offload_saved_activations(model: nn.Module) -> None:
+    """Everything autograd saves during the model's forward goes to pinned CPU memory and comes
+    back for backward (PyTorch's save_on_cpu); with activation checkpointing that is the block
+    inputs, the bulk of what a long sequence keeps between forward and backward."""
+    from torch.autograd.graph import save_on_cpu
+
+    def enter(module, args):
+        module._cpctl_save_on_cpu = save_on_cpu(pin_memory=True)
+        module._cpctl_save_on_cpu.__enter__()
+
+    def leave(module, args, output):
+        module._cpctl_save_on_cpu.__exit__(None, None, None)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave)
 
 
 def tiled_forward(forward: Callable[..., torch.Tensor], tile_tokens: int, name: str,

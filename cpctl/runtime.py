@@ -41,6 +41,7 @@ from cpctl.parallelize import (
     apply_tensor_parallel,
     apply_tiled_mlp,
     find_blocks,
+    offload_saved_activations,
 )
 
 @dataclass
@@ -130,7 +131,8 @@ class Runtime:
             apply_activation_checkpointing(found, model, recompute_context=self._recompute_context)
             found = find_blocks(model) if blocks is None else found
         if self.config.fsdp.version == 2:
-            apply_fsdp(model, mesh=self.axes["fsdp"], fsdp=self.config.fsdp, blocks=found)
+            apply_fsdp(model, mesh=self.axes["fsdp"], fsdp=self.config.fsdp, blocks=found,
+                       cpu_offload=self.config.memory.cpu_offload)
         elif self.axes["dp_cp"].size() > 1:
             # Without a gradient reduction the ranks would drift apart, and token_mean's scaling
             # (which expects the average over dp x cp ranks) would be wrong.
@@ -138,6 +140,8 @@ class Runtime:
                 "fsdp.version: 1 with several data-parallel ranks; cpctl's prepare_model applies FSDP2 only: "
                 "set fsdp.version: 2 (or wrap the model in DDP/FSDP yourself and skip prepare_model)"
             )
+        if self.config.memory.offload_activations:
+            offload_saved_activations(model)
         guards.forget_replaced_parameters(before, model)
         return model
 

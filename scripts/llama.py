@@ -124,13 +124,15 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim)
         self.head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def forward(self, input_ids, position_ids=None):
+    def forward(self, input_ids, position_ids=None, *, hidden_only: bool = False):
+        """Logits; or, with hidden_only, the final hidden states (for a loss that never holds the logits)."""
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, position_ids)
-        return self.head(self.norm(x))
+        hidden = self.norm(x)
+        return hidden if hidden_only else self.head(hidden)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul parameters + causal attention (fwd + bwd)."""

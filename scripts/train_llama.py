@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import cpctl
+from cpctl.losses import chunked_linear_cross_entropy
 from llama import PRESETS, Llama, SyntheticSequences, tp_plan
 
 
@@ -41,20 +42,30 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint-dir", default=None, help="save here, and resume from the newest checkpoint here")
     p.add_argument("--save-every", type=int, default=0, help="steps between checkpoints (0: none)")
     p.add_argument("--async-save", action="store_true", help="write checkpoints in the background")
+    p.add_argument("--chunked-loss", action="store_true", help="never hold the full logits (memory.loss_chunk_tokens)")
     p.add_argument("--stop-after", type=int, default=None, help="end after this many steps of the schedule "
                    "(--steps still sets the data and schedule), e.g. to resume later")
     return p.parse_args(argv)
 
 
-def train_step(rt, model, optimizer, input_ids: torch.Tensor) -> torch.Tensor:
-    """One optimizer step on a (batch, seq) batch of full sequences; returns the global mean loss."""
+def train_step(rt, model, optimizer, input_ids: torch.Tensor, *, chunked_loss: bool = False) -> torch.Tensor:
+    """One optimizer step on a (batch, seq) batch of full sequences; returns the global mean loss.
+
+    With `chunked_loss` the loss is taken from the final hidden states and the head's weight a
+    chunk of tokens at a time (memory.loss_chunk_tokens): the full logits never exist."""
     ids = input_ids.to(rt.device)
     labels = cpctl.shift_labels(ids)
     pos = cpctl.position_ids_like(ids)
     with rt.maybe_context_parallel(buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1],
                                    no_restore_buffers={ids, labels, pos}):
-        logits = model(ids, position_ids=pos)
-        loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum")
+        if chunked_loss:
+            hidden = model(ids, position_ids=pos, hidden_only=True)
+            loss_sum = chunked_linear_cross_entropy(hidden, model.head.weight, labels,
+                                                    chunk_tokens=rt.config.memory.loss_chunk_tokens)
+        else:
+            logits = model(ids, position_ids=pos)
+            loss_sum = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
+                                       reduction="sum")
         loss = rt.token_mean(loss_sum, labels)
         loss.backward()
     optimizer.step()
@@ -100,7 +111,7 @@ def main(argv=None):
     start = time.perf_counter()
     for step, batch in enumerate(loader, start=first):
         step_start = time.perf_counter()
-        loss = train_step(rt, model, optimizer, batch["input_ids"]).item()
+        loss = train_step(rt, model, optimizer, batch["input_ids"], chunked_loss=args.chunked_loss).item()
         losses.append(loss)
         seconds = time.perf_counter() - step_start
         tokens_per_s = args.global_batch * args.seq_len / seconds

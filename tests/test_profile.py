@@ -388,3 +388,11 @@ def test_the_workers_profile_variable_is_checked() -> None:
     environ = {P.PROFILE_ENV_VAR: json.dumps(one.profile.to_dict()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
     with pytest.raises(CpctlError, match="the profile is for 1 processes but this job has WORLD_SIZE 2"):
         P.for_worker({}, environ=environ, cuda_devices=0)
+
+
+@pytest.mark.parametrize("key", ["memory.offload_activations", "memory.cpu_offload"])
+def test_gpu_memory_offload_on_cpu_is_one_clear_error(tmp_path: Path, key: str) -> None:
+    message = error_of(tmp_path, flags={key: "true", "launch.device": "cpu"})
+    assert f"{key}: true on device cpu" in message and "set it to false" in message
+    resolve_apart(tmp_path, flags={key: "true", "launch.device": "cuda", "launch.nproc_per_node": "1"},
+                  machine=P.Machine(cuda_devices=1))  # fine where there are GPUs

@@ -31,11 +31,13 @@ LAYOUTS = {
     # the MLP in tiles of 16 tokens (a shard holds 64), inside checkpointed blocks
     "cp2-tiled-mlp": ("--nproc-per-node", "2", "--cp-size", "2", "--activation-checkpointing", "true",
                       "--tiled-mlp-tokens", "16"),
+    # the loss from the hidden states and the head, 24 tokens at a time (chunks cut through shards)
+    "cp2-chunked-loss": ("--nproc-per-node", "2", "--cp-size", "2", "--loss-chunk-tokens", "24"),
     "tp2-cp2": ("--nproc-per-node", "4", "--cp-size", "2", "--tp-size", "2", "--dp-shard-size", "1"),
     "hsdp2-cp2": ("--nproc-per-node", "4", "--cp-size", "2", "--dp-replicate-size", "2", "--dp-shard-size", "1"),
 }
 EXPECTED_SIZES = {"cp2": (2, 2, 1), "cp4": (4, 4, 1), "dp2-cp2": (4, 2, 2), "cp2-alltoall": (2, 2, 1),
-                  "cp2-checkpointing": (2, 2, 1), "cp2-tiled-mlp": (2, 2, 1), "tp2-cp2": (4, 2, 1), "hsdp2-cp2": (4, 2, 2)}
+                  "cp2-checkpointing": (2, 2, 1), "cp2-tiled-mlp": (2, 2, 1), "cp2-chunked-loss": (2, 2, 1), "tp2-cp2": (4, 2, 1), "hsdp2-cp2": (4, 2, 2)}
 
 
 def plain_run(tmp: Path, *extra: str) -> dict:
@@ -56,11 +58,14 @@ def untrained(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return plain_run(tmp_path_factory.mktemp("train_lr0"), "--lr", "0")
 
 
+SCRIPT_ARGS = {"cp2-chunked-loss": ("--chunked-loss",)}  # the example's own options, per layout
+
+
 def launch_layout(tmp: Path, layout: str) -> dict:
     """The losses file of one `cpctl launch` of the example in `layout`."""
     out = tmp / "losses.json"
     code, stdout, stderr = finish(cpctl("--device", "cpu", *LAYOUTS[layout], str(SCRIPT), *TRAIN_ARGS,
-                                        "--losses-out", str(out), tmp_path=tmp))
+                                        *SCRIPT_ARGS.get(layout, ()), "--losses-out", str(out), tmp_path=tmp))
     if code != 0 or not out.exists():
         pytest.fail(f"cpctl launch {layout} exited {code}:\n{stdout}\n{stderr}")
     return json.loads(out.read_text())

@@ -170,6 +170,15 @@ def _nodes_need_rendezvous(v: Mapping[str, Any], machine: Machine | None) -> str
     return None
 
 
+def _offload_needs_gpus(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    if v["launch.device"] != "cpu":
+        return None
+    for path in ("memory.offload_activations", "memory.cpu_offload"):
+        if v[path]:
+            return f"{path}: true on device cpu; it moves GPU memory to the CPU, on cpu there is nothing to move: set it to false"
+    return None
+
+
 RULES = (
     Rule(("launch.device", "launch.nproc_per_node"), _nproc_counts_gpus),
     Rule(("launch.device", "launch.nproc_per_node"), _gpus_visible, needs_machine=True),
@@ -178,6 +187,7 @@ RULES = (
     Rule(("parallelism.cp_size", "attention"), _cp_needs_sdpa),
     Rule(("launch.node_rank", "launch.nnodes"), _node_rank_in_range),
     Rule(("launch.nnodes", "launch.rdzv_endpoint"), _nodes_need_rendezvous),
+    Rule(("launch.device", "memory.offload_activations", "memory.cpu_offload"), _offload_needs_gpus),
 )
 
 

@@ -151,6 +151,10 @@ class Memory:
                                  "holds the full logits (smaller: less memory, more kernel calls)")
     tiled_mlp_tokens: int = key(integer(minimum=0), 0, "run each block's MLP over the sequence in tiles of this "
                                 "many tokens, recomputed per tile in backward (0: off)")
+    offload_activations: bool = key(SWITCH, False, "keep the tensors saved for backward (with activation "
+                                    "checkpointing: the block inputs) in pinned CPU memory (cuda only)")
+    cpu_offload: bool = key(SWITCH, False, "keep parameters, gradients and optimizer state in CPU memory between "
+                            "uses (FSDP2's CPUOffloadPolicy; cuda only)")
 
 
 @dataclass(frozen=True)
