@@ -295,9 +295,9 @@ def plan(
     *,
     model: Annotated[str | None, typer.Option(
         "--model", help="A preset (tiny, 1b, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b) or a Hugging Face config.json "
-        "(or its directory).", show_default=False, rich_help_panel=_PLAN)] = None,
+        "(or its directory).", metavar="NAME|PATH", show_default=False, rich_help_panel=_PLAN)] = None,
     seq_len: Annotated[str | None, typer.Option(
-        "--seq-len", help="Tokens per sequence: 4096, 128k, 1M.", show_default=False, rich_help_panel=_PLAN)] = None,
+        "--seq-len", help="Tokens per sequence: 4096, 128k, 1M.", metavar="TOKENS", show_default=False, rich_help_panel=_PLAN)] = None,
     chunked_loss: Annotated[bool, typer.Option(
         "--chunked-loss", help="The loss is chunked (rt.causal_lm_loss): memory.loss_chunk_tokens tokens of logits "
         "at a time, never the full logits.", rich_help_panel=_PLAN, **SWITCH)] = False,
@@ -313,8 +313,11 @@ def plan(
     profile: ProfileOption = None,
     flags: dict[str, str],
 ) -> None:
-    """Peak memory per GPU of a training step, what to turn on when it does not fit, and the
-    longest sequence that fits on 1 to 32 GPUs. Estimated, nothing runs; no torch."""
+    """Estimate the memory per GPU of a training step, and the longest sequence that fits.
+
+    Prints the peak broken down by term, what to turn on when it does not fit, and the longest
+    sequence for 1 to 32 GPUs. Arithmetic only: nothing runs, torch is not imported.
+    """
     from cpctl import planner
 
     with user_errors():
@@ -357,8 +360,8 @@ def _print_memory_plan(result: Any, resolved: Any) -> None:
         out.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
 
     peak, block = estimate.peak_moment, estimate.block_moment
-    columns = [("loss", "at the loss"), (block, f"block backward: {'MLP' if block == 'mlp_backward' else 'attention'}"),
-               ("optimizer_step", "optimizer step")]
+    columns = [("loss", "loss"), (block, f"block bwd: {'MLP' if block == 'mlp_backward' else 'attention'}"),
+               ("optimizer_step", "opt. step")]
     table = Table(show_edge=False, title="memory per GPU, GiB", title_justify="left")
     table.add_column("term")
     for moment, title in columns:
@@ -374,10 +377,9 @@ def _print_memory_plan(result: Any, resolved: Any) -> None:
     table.add_section()
     at_peak = {moment: moment == peak for moment, _ in columns}
     table.add_row("[bold]peak allocated[/]", *[f"[bold]{cell(estimate.total(m))}[/]" if at_peak[m] else cell(estimate.total(m))
-                                               for m, _ in columns], "what torch.cuda.max_memory_allocated reports")
-    extra = [("+ allocator headroom", estimate.headroom, f"{planner.ALLOCATOR_HEADROOM:.1%} of the peak: blocks the caching "
-              "allocator cannot reuse"),
-             ("+ CUDA/NCCL overhead", estimate.overhead, "CUDA context, library workspaces, NCCL buffers")]
+                                               for m, _ in columns], "torch.cuda.max_memory_allocated")
+    extra = [("+ allocator headroom", estimate.headroom, f"{planner.ALLOCATOR_HEADROOM:.1%} of the peak: allocator fragments"),
+             ("+ CUDA/NCCL overhead", estimate.overhead, "CUDA context, workspaces, NCCL")]
     for name, value, how in extra:
         table.add_row(name, *[cell(value) if at_peak[m] else "" for m, _ in columns], how)
     verdict = "[green]fits[/]" if estimate.fits else "[bold red]does not fit[/]"

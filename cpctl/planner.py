@@ -124,6 +124,8 @@ def load_model(spec: str) -> ModelShape:
     path = Path(spec).expanduser()
     if path.is_dir():
         path = path / "config.json"
+    if not path.exists() and ("/" in spec or spec.endswith(".json")):
+        raise CpctlError(f"--model {spec}: no such file (a Hugging Face config.json, or the directory holding one)")
     if not path.exists():
         close = difflib.get_close_matches(spec, PRESETS, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
@@ -150,7 +152,8 @@ def model_from_hf_config(config: Mapping[str, Any], *, name: str) -> ModelShape:
                          f"({', '.join(_HF_REQUIRED)})")
 
     def positive(key: str, default: Any = None) -> int:
-        value = config.get(key, default)
+        value = config.get(key)
+        value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise CpctlError(f"{name}: {key} must be a positive integer, got {value!r}")
         return value
@@ -162,12 +165,11 @@ def model_from_hf_config(config: Mapping[str, Any], *, name: str) -> ModelShape:
         notes.append("a mixture of experts: counted as one dense MLP of intermediate_size, experts not counted")
     if config.get("model_type") not in (None, "llama"):
         notes.append(f"model_type {config.get('model_type')}: estimated as a Llama block of its sizes")
-    head_dim = config.get("head_dim") or dim // heads
     return ModelShape(
         name=str(config.get("_name_or_path") or name), vocab_size=positive("vocab_size"), dim=dim,
         n_layers=positive("num_hidden_layers"), n_heads=heads,
-        n_kv_heads=positive("num_key_value_heads", heads) if config.get("num_key_value_heads") is not None else heads,
-        ffn_dim=positive("intermediate_size"), head_dim=positive("head_dim", head_dim),
+        n_kv_heads=positive("num_key_value_heads", heads),
+        ffn_dim=positive("intermediate_size"), head_dim=positive("head_dim", dim // heads),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), notes=tuple(notes),
     )
 
@@ -340,6 +342,10 @@ class Sizes:
         return FP32 if self.setup.precision == "no" else 2
 
     @property
+    def dtype(self) -> str:
+        return "fp32" if self.act == FP32 else "bf16"
+
+    @property
     def shards(self) -> int:  # FSDP shards the fp32 parameters, gradients and optimizer state over dp_shard x cp
         return self.setup.dp_shard * self.setup.cp
 
@@ -372,7 +378,7 @@ def parameters(z: Sizes) -> Term:
     if z.setup.cpu_offload:
         return Term("parameters", _at(0), "fp32, on CPU (cpu_offload)")
     held = FP32 * z.params_per_gpu
-    return Term("parameters", _at(held, step=held), f"fp32, sharded over dp_shard x cp = {z.shards}")
+    return Term("parameters", _at(held, step=held), f"fp32, sharded over {z.shards} (dp_shard x cp)")
 
 
 def gathered_parameters(z: Sizes) -> Term:
@@ -382,10 +388,9 @@ def gathered_parameters(z: Sizes) -> Term:
     block = z.act * z.block_params_per_gpu
     if not z.setup.reshard_after_forward:
         every = model.n_layers * block
-        return Term("parameters, gathered", _at(root + every),
-                    f"{'bf16' if z.act == 2 else 'fp32'}: embeddings and head, and every block (not resharded)")
+        return Term("parameters, gathered", _at(root + every), f"{z.dtype} embeddings + head + every block")
     return Term("parameters, gathered", _at(root, mlp=root + 2 * block),
-                f"{'bf16' if z.act == 2 else 'fp32'}: embeddings and head; 2 blocks in backward")
+                f"{z.dtype} embeddings + head; 2 blocks in backward")
 
 
 def gradients(z: Sizes) -> Term:
@@ -396,7 +401,7 @@ def gradients(z: Sizes) -> Term:
     block = z.act * z.block_params_per_gpu + (FP32 * z.block_params_per_gpu if z.act != FP32 else 0)
     sharded = 0 if z.setup.cpu_offload else FP32 * z.params_per_gpu
     return Term("gradients", _at(0, mlp=head + block, step=sharded),
-                "none at the loss; head's + one block's in backward; fp32 sharded at the step")
+                "head's + a block's in backward; fp32 sharded at the step")
 
 
 def optimizer_state(z: Sizes) -> Term:
@@ -405,7 +410,7 @@ def optimizer_state(z: Sizes) -> Term:
         return Term("optimizer state", _at(0), "AdamW, on CPU (cpu_offload)")
     state = 2 * FP32 * z.params_per_gpu
     return Term("optimizer state", _at(state, step=state + FP32 * z.params_per_gpu),
-                "AdamW: 2 fp32 states (+1 temporary at the step)")
+                "AdamW, 2 fp32 states; +1 temporary at the step")
 
 
 def _norm_saved(z: Sizes) -> float:
@@ -442,14 +447,14 @@ def activations(z: Sizes) -> Term:
     per_layer = z.act * model.dim if z.setup.activation_checkpointing else block_saved_per_token(z)
     layers_held = min(model.n_layers, 2) if z.setup.offload_activations else model.n_layers
     blocks = layers_held * per_layer * tokens
-    head_inputs = _norm_saved(z) * tokens
+    head_inputs = 0 if z.setup.offload_activations else _norm_saved(z) * tokens
     if z.setup.activation_checkpointing:
-        how = f"{model.n_layers} block inputs x local tokens x {z.act} B x dim"
+        how = f"{model.n_layers} block inputs, {z.dtype}; the head's inputs"
     else:
-        how = f"all {model.n_layers} blocks' saved activations (no checkpointing)"
+        how = f"all {model.n_layers} blocks' activations (no checkpointing)"
     if z.setup.offload_activations:
-        how = f"offloaded to CPU; {layers_held} layers' worth in flight"
-    return Term("activations kept for backward", _at(blocks + head_inputs, mlp=blocks), how)
+        how = f"in pinned CPU memory (offload_activations); {layers_held} layers' worth back at a time"
+    return Term("activations for backward", _at(blocks + head_inputs, mlp=blocks), how)
 
 
 def attention_working_set(z: Sizes) -> Term:
@@ -462,13 +467,13 @@ def attention_working_set(z: Sizes) -> Term:
     grads = (z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.q_dim / tp + z.act * model.dim) * tokens
     kv_per_token = 2 * z.act * model.kv_dim / tp  # K and V
     if z.setup.cp == 1:
-        moved, how = 0, "q, k, v, out and their gradients (local tokens)"
+        moved, how = 0, "q, k, v, out, their gradients"
     elif z.setup.strategy == "allgather":
         moved = 2 * kv_per_token * z.group_tokens
-        how = "q, k, v, out, gradients + K/V of the whole sequence and its gradient buffer"
+        how = "q, k, v, out, gradients; the whole sequence's K/V + its gradient"
     else:
         moved = 4 * kv_per_token * tokens
-        how = "q, k, v, out, gradients + 2 K/V blocks and 2 gradient blocks in flight"
+        how = "q, k, v, out, gradients; 2 K/V blocks + 2 gradient blocks"
     return Term("attention working set", _at(0, mlp=recomputed, attention=recomputed + grads + moved), how)
 
 
@@ -481,7 +486,7 @@ def mlp_working_set(z: Sizes) -> Term:
     transient = (2 * z.act * model.ffn_dim / z.setup.tp * _mlp_tile_share(z) + z.act * model.dim) * tokens
     tiles = f", tiles of {z.setup.tiled_mlp_tokens} tokens" if z.setup.tiled_mlp_tokens else ""
     return Term("MLP working set", _at(0, mlp=recomputed + transient, attention=0),
-                f"intermediate size x local tokens x {'6' if z.setup.activation_checkpointing else '2'} tensors{tiles}")
+                f"{'6' if z.setup.activation_checkpointing else '2'} tensors of intermediate size{tiles}")
 
 
 def loss(z: Sizes) -> Term:
@@ -493,11 +498,11 @@ def loss(z: Sizes) -> Term:
         logits = z.act * model.vocab_size * tokens
         at_loss = logits + 3 * FP32 * model.vocab_size * tokens
         return Term("loss", _at(at_loss, mlp=logits),
-                    f"full logits: local tokens x vocab x ({z.act}+4+4+4) B; the {z.act}-byte logits until backward ends")
+                    f"logits x ({z.act}+4+4+4) B; the {z.dtype} logits stay until backward ends")
     chunk = min(z.setup.loss_chunk_tokens, tokens)
     at_loss = 4 * FP32 * model.vocab_size * chunk + FP32 * model.vocab_size * model.dim + z.act * model.dim * tokens
     return Term("loss", _at(at_loss, mlp=0),
-                f"chunked: {chunk} tokens x vocab x 16 B + head's fp32 gradient + hidden states' gradient")
+                f"chunks of {chunk} tokens x vocab x 16 B; head's fp32 gradient")
 
 
 TERMS: tuple[Callable[[Sizes], Term], ...] = (

@@ -1,0 +1,297 @@
+"""`cpctl plan`: the memory arithmetic against measured peaks, the fit rule against measured
+out-of-memory runs, the model shapes, and the command (tables, --json, one-line errors, no torch).
+
+Every measured number below is torch.cuda.max_memory_allocated of one training step on NVIDIA
+H200s: bf16 FSDP2, activation checkpointing per block, AdamW, batch 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cpctl import planner
+from cpctl.cli import app
+from cpctl.errors import CpctlError
+from cpctl.planner import PRESETS, Setup
+from launching import REPO
+
+K = 1024
+AC = Setup(activation_checkpointing=True)
+CHUNKED = dataclasses.replace(AC, chunked_loss=True)
+
+# (model, sequence length, GPUs (all CP), options, measured peak GiB, where it was measured)
+BENCH = "docs/benchmarks.md, scripts/bench_train.py"
+HF = "transformers LlamaForCausalLM, full logits"
+PROBE = "standalone FSDP2 harness, cpctl.losses' chunked loss (2026-12)"
+CALIBRATION = [
+    ("1b", 32 * K, 1, AC, 28.8, BENCH),
+    ("1b", 64 * K, 1, AC, 45.0, BENCH),
+    ("1b", 128 * K, 1, AC, 77.3, BENCH),
+    ("1b", 192 * K, 1, AC, 109.7, BENCH),
+    ("1b", 224 * K, 1, AC, 125.9, "scripts/bench_train.py --probe"),
+    ("1b", 64 * K, 2, AC, 22.6, BENCH),
+    ("1b", 128 * K, 2, AC, 38.8, BENCH),
+    ("1b", 256 * K, 2, AC, 71.2, BENCH),
+    ("1b", 384 * K, 2, AC, 103.5, BENCH),
+    ("llama-3.2-1b", 32 * K, 1, AC, 71.7, HF),
+    ("llama-3.2-3b", 48 * K, 1, AC, 127.9, HF),
+    ("1b", 128 * K, 1, CHUNKED, 38.75, PROBE),
+    ("1b", 256 * K, 1, CHUNKED, 64.58, PROBE),
+]
+
+# (model, sequence length, GPUs, trained on a 141 GiB H200?)
+MEASURED_FIT = [
+    ("1b", 224 * K, 1, True),
+    ("1b", 256 * K, 1, False),
+    ("1b", 384 * K, 2, True),
+    ("1b", 512 * K, 2, False),
+    ("llama-3.2-1b", 32 * K, 1, True),
+    ("llama-3.2-1b", 64 * K, 1, False),
+    ("llama-3.2-3b", 48 * K, 1, True),
+]
+
+
+@pytest.mark.parametrize(("model", "seq", "gpus", "setup", "measured", "source"), CALIBRATION,
+                         ids=lambda v: v if isinstance(v, str) else None)
+def test_predicted_peak_is_within_ten_percent_of_measured(model, seq, gpus, setup, measured, source) -> None:
+    predicted = planner.peak_gib(PRESETS[model], setup.with_cp(gpus), seq)
+    assert abs(predicted - measured) <= 0.10 * measured, (model, seq, gpus, predicted, measured, source)
+
+
+def test_calibration_table() -> None:
+    """The table docs/cli.md prints (run with -s to see it); every row within 10%."""
+    rows = []
+    for model, seq, gpus, setup, measured, _ in CALIBRATION:
+        predicted = planner.peak_gib(PRESETS[model], setup.with_cp(gpus), seq)
+        loss = "chunked" if setup.chunked_loss else "full logits"
+        rows.append(f"| {model} | {gpus} | {planner.format_tokens(seq)} | {loss} | {measured} | {predicted:.1f} | "
+                    f"{100 * (predicted - measured) / measured:+.1f}% |")
+        assert abs(predicted - measured) <= 0.10 * measured
+    print("\n".join(rows))
+
+
+@pytest.mark.parametrize(("model", "seq", "gpus", "trained"), MEASURED_FIT)
+def test_fits_as_measured_on_an_h200(model, seq, gpus, trained) -> None:
+    assert planner.estimate(PRESETS[model], AC.with_cp(gpus), seq).fits is trained
+
+
+def test_longest_sequence_lies_between_the_measured_ones() -> None:
+    one, two = (planner.longest_fitting(PRESETS["1b"], AC.with_cp(gpus)) for gpus in (1, 2))
+    assert 224 * K <= one < 256 * K
+    assert 384 * K <= two < 512 * K
+    assert planner.gpus_needed(PRESETS["1b"], AC, 256 * K).setup.gpus == 2
+
+
+def test_more_gpus_hold_less_and_fit_longer() -> None:
+    model = PRESETS["llama-3.1-8b"]
+    peaks = [planner.peak_gib(model, CHUNKED.with_cp(gpus), 1024 * K) for gpus in (2, 4, 8, 16, 32)]
+    assert peaks == sorted(peaks, reverse=True)
+    longest = [planner.longest_fitting(model, CHUNKED.with_cp(gpus)) for gpus in planner.GPU_COUNTS]
+    assert longest == sorted(longest) and longest[0] == 0 and longest[-1] > 4 * 1024 * K
+
+
+def test_the_peak_moves_from_the_loss_to_the_blocks_when_the_loss_is_chunked() -> None:
+    model = PRESETS["llama-3.2-3b"]
+    full, chunked = (planner.estimate(model, setup, 128 * K) for setup in (AC, CHUNKED))
+    assert full.peak_moment == "loss" and chunked.peak_moment == "mlp_backward"
+    assert chunked.peak < full.peak / 2
+
+
+def test_every_option_lowers_the_memory() -> None:
+    model, seq = PRESETS["llama-3.2-1b"], 256 * K
+    base = Setup(gpus=4, cp=4, activation_checkpointing=False, reshard_after_forward=False)
+    before = planner.estimate(model, base, seq).peak
+    for changes in ({"activation_checkpointing": True}, {"chunked_loss": True}, {"reshard_after_forward": True},
+                    {"tiled_mlp_tokens": 8192}, {"offload_activations": True}, {"cpu_offload": True}):
+        assert planner.estimate(model, dataclasses.replace(base, **changes), seq).peak < before, changes
+    gathered = planner.estimate(model, AC.with_cp(16), 1024 * K)
+    ring = planner.estimate(model, dataclasses.replace(AC.with_cp(16), strategy="alltoall"), 1024 * K)
+    assert ring.total("attention_backward") < gathered.total("attention_backward")
+
+
+def test_advice_when_it_does_not_fit() -> None:
+    result = planner.make_plan(PRESETS["1b"], AC, 256 * K)
+    assert not result.estimate.fits
+    by_what = {item.what: item.estimate for item in result.suggestions}
+    assert by_what["a chunked loss: rt.causal_lm_loss (--chunked-loss here)"].fits
+    assert by_what["2 GPUs, all on CP (--cp-size 2)"].fits
+    assert planner.make_plan(PRESETS["1b"], AC, 64 * K).suggestions == []
+
+
+# ----------------------------------------------------------------------------- models
+
+
+def test_presets_are_the_example_models() -> None:
+    pytest.importorskip("torch")
+    sys.path.insert(0, str(REPO / "scripts"))
+    try:
+        from llama import PRESETS as EXAMPLE
+    finally:
+        sys.path.remove(str(REPO / "scripts"))
+    for name, cfg in EXAMPLE.items():
+        shape = PRESETS[name]
+        assert (shape.vocab_size, shape.dim, shape.n_layers, shape.n_heads, shape.n_kv_heads, shape.ffn_dim,
+                shape.head_dim) == (cfg.vocab_size, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.ffn_dim,
+                                    cfg.head_dim)
+
+
+def test_parameter_counts() -> None:
+    assert PRESETS["1b"].params == 1_104_218_112  # "1.10B parameters" (docs/benchmarks.md)
+    assert PRESETS["llama-3.2-1b"].params == 1_235_814_400  # the published 1.24B
+    assert PRESETS["llama-3.2-3b"].params == 3_212_749_824  # 3.21B
+    assert PRESETS["llama-3.1-8b"].params == 8_030_261_248  # 8.03B
+
+
+LLAMA_32_1B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 64, "tie_word_embeddings": True, "rope_theta": 500000.0, "torch_dtype": "bfloat16",
+}
+
+
+def test_a_hugging_face_config_reads_as_its_preset(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_32_1B))
+    for spec in (tmp_path, tmp_path / "config.json"):
+        shape = planner.load_model(str(spec))
+        assert dataclasses.replace(shape, name="llama-3.2-1b") == PRESETS["llama-3.2-1b"]
+    nested = {"model_type": "mllama", "text_config": {**LLAMA_32_1B, "num_key_value_heads": None, "head_dim": None}}
+    (tmp_path / "config.json").write_text(json.dumps(nested))
+    shape = planner.load_model(str(tmp_path))
+    assert (shape.n_kv_heads, shape.head_dim, shape.dim) == (32, 64, 2048)
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ('{"hidden_size": 2048', "not valid JSON"),
+    ("[1, 2]", "not a Hugging Face config.json"),
+    ('{"hidden_size": 2048}', "no vocab_size"),
+    (json.dumps({**LLAMA_32_1B, "num_hidden_layers": "16"}), "num_hidden_layers must be a positive integer"),
+])
+def test_bad_config_json(tmp_path: Path, text: str, fragment: str) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(CpctlError, match=fragment):
+        planner.load_model(str(path))
+
+
+@pytest.mark.parametrize(("text", "tokens"), [
+    ("4096", 4096), ("128k", 131072), ("128K", 131072), ("1M", 1048576), ("1.5M", 1572864), ("0.5k", 512),
+    ("1_000", 1000),
+])
+def test_lengths(text: str, tokens: int) -> None:
+    assert planner.parse_tokens(text) == tokens
+
+
+@pytest.mark.parametrize("text", ["", "12q", "k", "-4k", "0", "0.3k", "1e6", "1.5"])
+def test_bad_lengths(text: str) -> None:
+    with pytest.raises(CpctlError, match="--seq-len"):
+        planner.parse_tokens(text)
+
+
+def test_format_tokens() -> None:
+    assert [planner.format_tokens(n) for n in (4096, 229 * K, 2 * K * K, 1000)] == ["4k", "229k", "2M", "1,000"]
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def cpctl(*args: str) -> object:
+    return CliRunner().invoke(app, list(args))
+
+
+def one_line_error(result: object, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    errors = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(errors) == 1 and errors[0].startswith("error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+@pytest.mark.usefixtures("isolated")
+def test_plan_prints_the_terms_the_advice_and_the_scan() -> None:
+    result = cpctl("plan", "--model", "1b", "--seq-len", "256k", "--device", "cuda", "--nproc-per-node", "1",
+                   "--activation-checkpointing", "true")
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    for text in ("parameters", "gradients", "optimizer state", "activations for backward", "attention working set",
+                 "MLP working set", "loss", "peak allocated", "allocator headroom", "CUDA/NCCL overhead",
+                 "does not fit", "--chunked-loss", "--cp-size 2", "longest sequence that fits", "256k tokens need 2 GPUs"):
+        assert text in out, text
+
+
+@pytest.mark.usefixtures("isolated")
+def test_plan_json() -> None:
+    result = cpctl("plan", "--model", "llama-3.2-3b", "--seq-len", "512k", "--chunked-loss", "--gpus", "8",
+                   "--activation-checkpointing", "true", "--json")
+    assert result.exit_code == 0, result.output
+    plan = json.loads(result.stdout)
+    assert plan["estimate"]["setup"]["cp"] == 8 and plan["estimate"]["local_tokens"] == 64 * K
+    assert plan["estimate"]["fits"] is True and plan["suggestions"] == []
+    assert [row["gpus"] for row in plan["longest"]] == list(planner.GPU_COUNTS)
+    assert plan["profile"]["note"] == "--gpus 8: cp 8"
+    total = plan["estimate"]["total_gib"][plan["estimate"]["peak_moment"]]
+    assert total == pytest.approx(plan["estimate"]["peak_gib"], abs=1e-3)
+
+
+@pytest.mark.usefixtures("isolated")
+def test_plan_takes_profiles_as_check_does() -> None:
+    result = cpctl("plan", "--model", "1b", "--seq-len", "1M", "--profile", "cp8-alltoall", "--json")
+    assert result.exit_code == 0, result.output
+    setup = json.loads(result.stdout)["estimate"]["setup"]
+    assert (setup["gpus"], setup["cp"], setup["strategy"]) == (8, 8, "alltoall")
+
+
+@pytest.mark.usefixtures("isolated")
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["--model", "2b", "--seq-len", "1k"], ["--model 2b: no such preset", "llama-3.2-1b"]),
+    (["--model", "llama-3.2-1B", "--seq-len", "1k"], ["did you mean llama-3.2-1b?"]),
+    (["--model", "missing/config.json", "--seq-len", "1k"], ["no such file"]),
+    (["--model", "1b", "--seq-len", "12q"], ["--seq-len 12q: not a length"]),
+    (["--model", "1b", "--seq-len", "0"], ["at least 1"]),
+    (["--model", "1b"], ["--seq-len is required"]),
+    (["--seq-len", "1k"], ["--model is required"]),
+    (["--model", "1b", "--seq-len", "1k", "--gpus", "two"], ["--gpus two: not an integer"]),
+    (["--model", "1b", "--seq-len", "1k", "--gpu-memory", "0"], ["--gpu-memory 0"]),
+    (["--model", "1b", "--seq-len", "1k", "--device", "cpu"], ["estimates GPU memory"]),
+    (["--model", "1b", "--seq-len", "1k", "--cp-size", "3", "--nproc-per-node", "8"], ["does not divide world size 8"]),
+])
+def test_plan_errors_are_one_line(args: list[str], fragments: list[str]) -> None:
+    one_line_error(cpctl("plan", *args), *fragments)
+
+
+@pytest.mark.usefixtures("isolated")
+def test_unreadable_config_json(tmp_path: Path) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text('{"vocab_size": 128256,')
+    one_line_error(cpctl("plan", "--model", str(bad), "--seq-len", "1k"), "not valid JSON", "line 1")
+    bad.write_bytes(b"\xff\xfe{}")
+    one_line_error(cpctl("plan", "--model", str(bad), "--seq-len", "1k"), "cannot read it")
+
+
+_PROBE = """
+import atexit, sys
+atexit.register(lambda: sys.__stderr__.write("\\nTORCH=" + str("torch" in sys.modules) + "\\n"))
+if sys.argv[1:] == ["import"]:
+    import cpctl.planner
+else:
+    from cpctl.cli import main
+    sys.argv = ["cpctl", *sys.argv[1:]]
+    main()
+"""
+
+
+@pytest.mark.parametrize("args", [["import"], ["plan", "--model", "1b", "--seq-len", "128k", "--device", "cuda"]],
+                         ids=["import cpctl.planner", "cpctl plan"])
+def test_the_planner_does_not_import_torch(args: list[str]) -> None:
+    proc = subprocess.run([sys.executable, "-c", _PROBE, *args], check=False, capture_output=True, text=True,
+                          timeout=60, env=os.environ | {"PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == "TORCH=False", proc.stderr
