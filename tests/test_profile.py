@@ -394,5 +394,12 @@ def test_the_workers_profile_variable_is_checked() -> None:
 def test_gpu_memory_offload_on_cpu_is_one_clear_error(tmp_path: Path, key: str) -> None:
     message = error_of(tmp_path, flags={key: "true", "launch.device": "cpu"})
     assert f"{key}: true on device cpu" in message and "set it to false" in message
-    resolve_apart(tmp_path, flags={key: "true", "launch.device": "cuda", "launch.nproc_per_node": "1"},
+    resolve_apart(tmp_path, flags={key: "true", "launch.device": "cuda", "launch.nproc_per_node": "1",
+                                   "fsdp.activation_checkpointing": "true"},
                   machine=P.Machine(cuda_devices=1))  # fine where there are GPUs
+
+
+def test_activation_offload_needs_checkpointing(tmp_path: Path) -> None:
+    flags = {"memory.offload_activations": "true", "launch.device": "cuda", "launch.nproc_per_node": "1"}
+    message = error_of(tmp_path, flags=flags, machine=P.Machine(cuda_devices=1))
+    assert "without fsdp.activation_checkpointing would pin every activation" in message

@@ -179,6 +179,13 @@ def _offload_needs_gpus(v: Mapping[str, Any], machine: Machine | None) -> str | 
     return None
 
 
+def _offload_with_checkpoints(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    if v["memory.offload_activations"] and not v["fsdp.activation_checkpointing"]:
+        return ("memory.offload_activations: true without fsdp.activation_checkpointing would pin every activation "
+                "of the step in host memory; set activation_checkpointing: true (then only the block inputs move)")
+    return None
+
+
 RULES = (
     Rule(("launch.device", "launch.nproc_per_node"), _nproc_counts_gpus),
     Rule(("launch.device", "launch.nproc_per_node"), _gpus_visible, needs_machine=True),
@@ -188,6 +195,7 @@ RULES = (
     Rule(("launch.node_rank", "launch.nnodes"), _node_rank_in_range),
     Rule(("launch.nnodes", "launch.rdzv_endpoint"), _nodes_need_rendezvous),
     Rule(("launch.device", "memory.offload_activations", "memory.cpu_offload"), _offload_needs_gpus),
+    Rule(("memory.offload_activations", "fsdp.activation_checkpointing"), _offload_with_checkpoints),
 )
 
 
