@@ -1,0 +1,170 @@
+"""How cpctl shows its plans: the launch plan of `--dry-run` and the memory plan of `cpctl plan`.
+
+Presentation only (rich tables on stdout); the plans themselves come from cpctl.launcher and
+cpctl.planner.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
+
+from cpctl.config.layers import PROFILE_ENV_VAR
+
+if TYPE_CHECKING:
+    from cpctl.launcher import Plan
+
+MESH_HEAD_ROWS, MESH_TAIL_ROWS = 16, 4  # larger worlds print the first and last ranks only
+
+
+def _stdout() -> Console:
+    return Console(highlight=False)
+
+
+def print_memory_plan(result: Any, resolved: Any) -> None:
+    """`cpctl plan`'s tables: the terms at each moment, the advice, the longest sequences."""
+    from cpctl import planner
+
+    out = _stdout()
+    model, estimate = result.model, result.estimate
+    setup = estimate.setup
+    gib = planner.GiB
+    seq = planner.format_tokens(estimate.seq_len)
+    batch = f", {setup.batch} sequences per step" if setup.batch > 1 else ""
+    out.print(f"[bold]cpctl plan[/]: {escape(model.name)} ({model.params / 1e9:.2f}B parameters, vocab "
+              f"{model.vocab_size}, {model.n_layers} layers, dim {model.dim}) at {seq} tokens{batch}", soft_wrap=True)
+    out.print(f"{escape(setup.describe())}; {estimate.local_tokens:,} tokens per GPU", soft_wrap=True)
+    out.print(f"[dim]profile as on {escape(resolved.target)}{'; ' + escape(resolved.note) if resolved.note else ''}[/]",
+              soft_wrap=True)
+    for note in model.notes:
+        out.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
+
+    peak, block = estimate.peak_moment, estimate.block_moment
+    columns = [("loss", "loss"), (block, f"block bwd: {'MLP' if block == 'mlp_backward' else 'attention'}"),
+               ("optimizer_step", "opt. step")]
+    table = Table(show_edge=False, title="memory per GPU, GiB", title_justify="left")
+    table.add_column("term")
+    for moment, title in columns:
+        shown_peak = moment == peak or (peak in ("mlp_backward", "attention_backward") and moment == block)
+        table.add_column(f"[bold]{title} (peak)[/]" if shown_peak else title, justify="right")
+    table.add_column("counted as", overflow="fold")
+
+    def cell(value: float) -> str:
+        return f"{value / gib:.1f}" if value >= 0.05 * gib else "-"
+
+    for term in estimate.terms:
+        table.add_row(term.name, *[cell(term.at[moment]) for moment, _ in columns], escape(term.how))
+    table.add_section()
+    at_peak = {moment: moment == peak for moment, _ in columns}
+    table.add_row("[bold]peak allocated[/]", *[f"[bold]{cell(estimate.total(m))}[/]" if at_peak[m] else cell(estimate.total(m))
+                                               for m, _ in columns], "torch.cuda.max_memory_allocated")
+    extra = [("+ allocator headroom", estimate.headroom, f"{planner.ALLOCATOR_HEADROOM:.1%} of the peak: allocator fragments"),
+             ("+ CUDA/NCCL overhead", estimate.overhead, "CUDA context, workspaces, NCCL")]
+    for name, value, how in extra:
+        table.add_row(name, *[cell(value) if at_peak[m] else "" for m, _ in columns], how)
+    verdict = "[green]fits[/]" if estimate.fits else "[bold red]does not fit[/]"
+    table.add_row("[bold]needed[/]", *[f"[bold]{cell(estimate.needed)}[/]" if at_peak[m] else "" for m, _ in columns],
+                  f"of {estimate.gpu_memory_gib:g} GiB: {verdict}")
+    out.print(table)
+
+    if result.suggestions:
+        out.print()
+        out.print(f"[bold]To fit {seq} tokens[/] (GiB needed per GPU):")
+        advice = Table(show_edge=False, show_header=False, box=None, padding=(0, 2))
+        advice.add_column()
+        advice.add_column(justify="right")
+        advice.add_column()
+        for item in result.suggestions:
+            advice.add_row(escape(item.what), f"{item.estimate.needed / gib:.1f} GiB",
+                           "[green]fits[/]" if item.estimate.fits else "[red]does not fit[/]")
+        out.print(advice)
+
+    out.print()
+    scan = Table(show_edge=False, title=f"longest sequence that fits, all GPUs on CP, {estimate.gpu_memory_gib:g} GiB each",
+                 title_justify="left")
+    scan.add_column("GPUs")
+    for gpus, _, _ in result.longest:
+        scan.add_column(str(gpus), justify="right")
+    scan.add_row("these options", *[planner.format_tokens(n) if n else "-" for _, n, _ in result.longest])
+    better = ", ".join(planner.option_names(result.all_options))
+    if result.all_options:
+        scan.add_row(f"+ {escape(better)}", *[planner.format_tokens(n) if n else "-" for _, _, n in result.longest])
+    out.print(scan)
+
+    def needs(found) -> str:
+        return "more than 4096 GPUs" if found is None else f"{found.setup.gpus} GPU{'s' if found.setup.gpus > 1 else ''}"
+
+    line = f"{seq} tokens need {needs(result.needed)} with these options"
+    if result.all_options:
+        line += f", {needs(result.needed_all)} with + {better}"
+    out.print(escape(line) + ".", soft_wrap=True)
+
+
+# ----------------------------------------------------------------------------- dry run
+
+
+def note_without_cp(profile) -> None:
+    """CP is what cpctl is for: a launch without it says so first."""
+    if profile.parallelism.cp_size == 1:
+        _stdout().print("[yellow]note:[/] cp_size 1: no context parallelism, each rank holds whole sequences "
+                        "(pass --cp-size N, or a profile such as --profile cpu-try)", soft_wrap=True)
+
+
+def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None) -> None:
+    from cpctl.envinfo import describe
+    from cpctl.layout import MESH_AXES, mesh_table
+
+    out = _stdout()
+    resolved = plan.resolved
+    note_without_cp(resolved.profile)
+    out.print(f"[bold]Resolved profile[/] as on {escape(target)} "
+              "(highest source wins: flag > env > SLURM > --config/--profile > ./cpctl.yaml > user default > default)",
+              soft_wrap=True)
+    profile_table = Table(show_edge=False)
+    for column in ("key", "value", "source"):
+        profile_table.add_column(column, overflow="fold")
+    for path, value, source in resolved.rows():
+        shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+        profile_table.add_row(path, escape(shown), escape(source))
+    out.print(profile_table)
+
+    profile = resolved.profile
+    world, nproc = profile.world_size, profile.launch.nproc_per_node
+    out.print()
+    out.print(f"[bold]Mesh layout[/]: {escape(describe(resolved))}", soft_wrap=True)
+    mesh = Table(show_edge=False)
+    for column in ("rank", "node", "local rank", *MESH_AXES):
+        mesh.add_column(column, justify="right")
+    coordinates = mesh_table(profile.parallelism, world)
+    shown_rows = coordinates
+    if world > MESH_HEAD_ROWS + MESH_TAIL_ROWS:
+        shown_rows = coordinates[:MESH_HEAD_ROWS] + [None] + coordinates[-MESH_TAIL_ROWS:]
+    for coord in shown_rows:
+        if coord is None:
+            mesh.add_row("…", *[""] * (2 + len(MESH_AXES)))
+            continue
+        axes = [str(getattr(coord, axis)) for axis in MESH_AXES]
+        mesh.add_row(str(coord.rank), str(coord.rank // nproc), str(coord.rank % nproc), *axes)
+    out.print(mesh)
+    if world > MESH_HEAD_ROWS + MESH_TAIL_ROWS:
+        out.print(f"[dim]{world - MESH_HEAD_ROWS - MESH_TAIL_ROWS} ranks not shown[/]")
+    if profile.launch.nnodes > 1:
+        out.print(
+            "[dim]node = the machine's place in the c10d rendezvous, which numbers machines as they join "
+            "(by host name), not by --node-rank.[/]",
+            soft_wrap=True,
+        )
+
+    out.print()
+    out.print("[bold]Worker command[/] (what cpctl launch runs, as a shell line):")
+    out.print(plan.command_line(), markup=False, highlight=False, soft_wrap=True)
+    out.print(
+        f"[dim]The resolved profile reaches every worker as JSON in {PROFILE_ENV_VAR}; "
+        "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.[/]",
+        soft_wrap=True,
+    )
+    if problem_here is not None:
+        out.print(f"[yellow]Here it would not launch:[/] {escape(problem_here)}", soft_wrap=True)
