@@ -127,8 +127,11 @@ PADDING = ("an attention_mask with padding under context parallelism; CP shards 
            "pack sequences without padding (or pad with tokens whose labels are -100 and pass no attention_mask)")
 
 
-def _padding_problem(attention_mask: torch.Tensor | None) -> str | None:
-    return PADDING if attention_mask is not None and not bool(attention_mask.all()) else None
+def _refuse_padding(runtime: Runtime, attention_mask: torch.Tensor | None) -> None:
+    """Padding sits in some shards only: the CP ranks agree before any raises. No mask, no
+    question (every rank is called alike), so the common case costs no collective."""
+    if attention_mask is not None:
+        runtime.raise_together(None if bool(attention_mask.all()) else PADDING)
 
 
 def mask(*args: Any, attention_mask: torch.Tensor | None = None, use_vmap: bool = False, **kwargs: Any):
@@ -138,7 +141,7 @@ def mask(*args: Any, attention_mask: torch.Tensor | None = None, use_vmap: bool 
     runtime = _active()
     if runtime is None:
         return sdpa_mask(*args, attention_mask=attention_mask, use_vmap=use_vmap, **kwargs)
-    runtime.raise_together(_padding_problem(attention_mask))  # padding sits in some shards only
+    _refuse_padding(runtime, attention_mask)
     if use_vmap:  # transformers builds custom overlays (image tokens, bidirectional blocks) this way
         raise CpctlError(
             "the model asks for a custom attention mask (e.g. bidirectional image tokens) under context parallelism; "
@@ -215,7 +218,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtim
     batch, local_len = tokens.shape[0], tokens.shape[1]
     for name in ("input_ids", "inputs_embeds", "position_ids", "labels", "shift_labels", "attention_mask"):
         runtime.require_sharded(kwargs.get(name), name=name, seq_dim=1)
-    runtime.raise_together(_padding_problem(kwargs.get("attention_mask")))
+    _refuse_padding(runtime, kwargs.get("attention_mask"))
     kwargs["attention_mask"] = None  # all ones: nothing to mask
     if kwargs.get("use_cache"):
         raise CpctlError("use_cache=True under context parallelism: a KV cache of a shard is no use; pass use_cache=False")

@@ -96,7 +96,7 @@ class Runtime:
 
     @property
     def cp_active(self) -> bool:
-        """Inside maybe_context_parallel, with cp_size > 1."""
+        """Inside maybe_context_parallel's routing: cp_size > 1, or packed documents at cp_size 1."""
         return self._cp_active
 
     @property
@@ -459,7 +459,8 @@ _INIT_OVERRIDES: dict[str, Any] = {}
 
 
 def active_runtime() -> Runtime | None:
-    """The runtime while inside its maybe_context_parallel with cp_size > 1, else None."""
+    """The runtime while its maybe_context_parallel routes attention (cp_size > 1, or packed
+    documents at cp_size 1), else None."""
     return _RUNTIME if _RUNTIME is not None and _RUNTIME.cp_active else None
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from cpctl.config.schema import BY_NAME, KEYS, SECTIONS, Flat, Key, flatten
+from cpctl.config.schema import BY_NAME, KEYS, SECTIONS, Flat, Key, flatten, shown
 from cpctl.errors import CpctlError
 
 # The environment variable that carries the resolved profile from `cpctl launch` to workers.
@@ -72,13 +72,6 @@ def tree_layer(tree: Any, source: str) -> Layer:
 # mistake or an attack (an alias bomb expands 349 bytes into gigabytes), refused before parsing.
 MAX_PROFILE_BYTES = 64 * 1024
 MAX_PROFILE_DEPTH = 8
-QUOTED_VALUE_CHARS = 60  # how much of a bad value an error message repeats
-
-
-def shown(value: Any) -> str:
-    """`repr(value)`, cut short for error messages."""
-    text = repr(value)
-    return text if len(text) <= QUOTED_VALUE_CHARS else text[:QUOTED_VALUE_CHARS] + "...'"
 
 
 class _StrictLoader(yaml.SafeLoader):

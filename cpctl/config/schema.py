@@ -33,6 +33,15 @@ CPU_DEFAULT_NPROC = 2
 Flat = dict[str, Any]  # key path ("parallelism.cp_size") -> value
 
 
+QUOTED_VALUE_CHARS = 60  # how much of a bad value an error message repeats
+
+
+def shown(value: Any) -> str:
+    """`repr(value)`, cut short for error messages."""
+    text = repr(value)
+    return text if len(text) <= QUOTED_VALUE_CHARS else text[:QUOTED_VALUE_CHARS] + "...'"
+
+
 # ----------------------------------------------------------------------------- value kinds
 
 
@@ -266,8 +275,6 @@ class Key:
 
     def parse(self, text: Any, *, source: str) -> Any:
         """A checked value from text (a flag, a variable) or an already typed value; errors name `source`."""
-        from cpctl.config.layers import shown
-
         try:
             value = self.spec.kind.parse(text) if isinstance(text, str) else text
         except ValueError:
