@@ -71,17 +71,15 @@ def huggingface_tp_plan(model: nn.Module) -> dict | None:
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module, *,
-                                   recompute_context: Callable[[], AbstractContextManager]) -> None:
+                                   contexts: Callable[[], tuple[AbstractContextManager, AbstractContextManager]]) -> None:
     """Wrap each block so its activations are recomputed in backward.
 
-    `recompute_context()` is called during the forward and entered around the recompute:
-    the recompute runs inside backward, where the forward's SDPA routing is no longer
-    active, and must compute attention the same way (across the CP group) again.
+    `contexts()` is called at each block call and gives the contexts entered around its
+    forward and around its recompute: the recompute runs inside backward, where the forward's
+    SDPA routing is no longer active, and must compute attention the same way (across the CP
+    group) again, or (selective level) reuse what the forward's attention returned.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    def context_fn():
-        return contextlib.nullcontext(), recompute_context()
 
     # Find every (parent, name) first: wrapping while walking the tree would find each
     # block again inside its own wrapper.
@@ -89,7 +87,7 @@ def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module, *,
              if any(child is block for block in blocks)]
     for parent, name in slots:
         parent.register_module(name, checkpoint_wrapper(getattr(parent, name), preserve_rng_state=False,
-                                                        context_fn=context_fn))
+                                                        context_fn=contexts))
 
 
 def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[nn.Module],

@@ -224,6 +224,7 @@ class Setup:
     strategy: str = "allgather"
     precision: str = "bf16"  # bf16 | fp16 | no
     activation_checkpointing: bool = True
+    checkpoint_level: str = "full"  # selective: attention's saved tensors are kept, not recomputed
     reshard_after_forward: bool = True
     chunked_loss: bool = False
     loss_chunk_tokens: int = 4096
@@ -240,6 +241,7 @@ class Setup:
             tp=profile.parallelism.tp_size, strategy=profile.parallelism.cp_comm_strategy,
             precision=profile.fsdp.mixed_precision, activation_checkpointing=profile.fsdp.activation_checkpointing,
             reshard_after_forward=profile.fsdp.reshard_after_forward, chunked_loss=chunked_loss,
+            checkpoint_level=getattr(memory, "checkpoint_level", "full"),
             loss_chunk_tokens=memory.loss_chunk_tokens, tiled_mlp_tokens=getattr(memory, "tiled_mlp_tokens", 0),
             offload_activations=getattr(memory, "offload_activations", False),
             cpu_offload=getattr(memory, "cpu_offload", False), batch=batch,
@@ -256,7 +258,7 @@ class Setup:
                       if self.gpus > self.cp * self.dp_shard * self.tp else ""),
                    self.strategy if self.cp > 1 else "no CP",
                    {"no": "fp32"}.get(self.precision, self.precision),
-                   f"activation checkpointing {'on' if self.activation_checkpointing else 'off'}",
+                   f"activation checkpointing {'off' if not self.activation_checkpointing else 'on' if self.checkpoint_level == 'full' else self.checkpoint_level}",
                    f"loss chunked ({self.loss_chunk_tokens} tokens)" if self.chunked_loss else "full logits in the loss"]
         if not self.reshard_after_forward:
             options.append("blocks stay gathered after forward")
@@ -269,7 +271,7 @@ class Setup:
         return ", ".join(options)
 
 
-MEMORY_OPTIONS = ("tiled_mlp_tokens", "offload_activations", "cpu_offload")  # read where the profile has them
+MEMORY_OPTIONS = ("checkpoint_level", "tiled_mlp_tokens", "offload_activations", "cpu_offload")  # read where the profile has them
 
 
 def available_options() -> frozenset[str]:
@@ -430,6 +432,13 @@ def mlp_saved_per_token(z: Sizes) -> float:
     return _norm_saved(z) + 4 * z.act * z.model.ffn_dim / z.setup.tp * _mlp_tile_share(z)
 
 
+def selective_kept_per_token(z: Sizes) -> float:
+    """Per token, what the selective level keeps of a block beyond its input: attention's saved
+    tensors (q, k, v, out, log-sum-exp); its norm is recomputed."""
+    selective = z.setup.activation_checkpointing and z.setup.checkpoint_level == "selective"
+    return attention_saved_per_token(z) - _norm_saved(z) if selective else 0.0
+
+
 def block_saved_per_token(z: Sizes) -> float:
     return attention_saved_per_token(z) + mlp_saved_per_token(z)
 
@@ -444,12 +453,17 @@ def activations(z: Sizes) -> Term:
     """With checkpointing: each block's input (the residual stream), bf16; the final norm's and
     head's inputs until the loss's backward. Without: every block's saved activations."""
     model, tokens = z.model, z.local_tokens
-    per_layer = z.act * model.dim if z.setup.activation_checkpointing else block_saved_per_token(z)
+    if z.setup.activation_checkpointing:
+        per_layer = z.act * model.dim + selective_kept_per_token(z)
+    else:
+        per_layer = block_saved_per_token(z)
     layers_held = min(model.n_layers, 2) if z.setup.offload_activations else model.n_layers
     blocks = layers_held * per_layer * tokens
     head_inputs = 0 if z.setup.offload_activations else _norm_saved(z) * tokens
     if z.setup.activation_checkpointing:
         how = f"{model.n_layers} block inputs, {z.dtype}; the head's inputs"
+        if z.setup.checkpoint_level == "selective":
+            how = f"{model.n_layers} block inputs and attention's q, k, v, out (selective); the head's inputs"
     else:
         how = f"all {model.n_layers} blocks' activations (no checkpointing)"
     if z.setup.offload_activations:
@@ -463,7 +477,8 @@ def attention_working_set(z: Sizes) -> Term:
     gradient, plus the K/V that CP moves: the whole sequence's K/V and a gradient buffer of
     that size (allgather), or two K/V blocks and their gradients in flight (alltoall)."""
     model, tp, tokens = z.model, z.setup.tp, z.local_tokens
-    recomputed = attention_saved_per_token(z) * tokens if z.setup.activation_checkpointing else 0
+    # The selective level recomputes the norm only: attention's own tensors are in `activations`.
+    recomputed = (attention_saved_per_token(z) - selective_kept_per_token(z)) * tokens if z.setup.activation_checkpointing else 0
     grads = (z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.q_dim / tp + z.act * model.dim) * tokens
     kv_per_token = 2 * z.act * model.kv_dim / tp  # K and V
     if z.setup.cp == 1:
@@ -642,6 +657,8 @@ def _options_to_try(setup: Setup, *, available: frozenset[str]) -> list[tuple[st
         options.append(("--reshard-after-forward true", {"reshard_after_forward": True}, False))
     if setup.cp > 1 and setup.strategy == "allgather":
         options.append(("--cp-comm-strategy alltoall", {"strategy": "alltoall"}, False))
+    if "checkpoint_level" in available and setup.activation_checkpointing and setup.checkpoint_level != "full":
+        options.append(("--checkpoint-level full (slower)", {"checkpoint_level": "full"}, True))
     if "tiled_mlp_tokens" in available and not setup.tiled_mlp_tokens:
         options.append(("--tiled-mlp-tokens 8192", {"tiled_mlp_tokens": 8192}, False))
     if "offload_activations" in available and not setup.offload_activations:

@@ -35,6 +35,7 @@ from cpctl.attention.dispatch import RouteSDPA
 from cpctl.envinfo import require_torch
 from cpctl.errors import CpctlError
 from cpctl.mesh import build_mesh
+from cpctl.selective import AttentionMemo, keep_on_device
 from cpctl.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -59,6 +60,7 @@ class Runtime:
     _documents: list[packing.Starts] | None = None  # document starts per row, when packed
     cp_balance: float | None = None  # slowest CP rank's attention work / mean, this step (packed documents)
     _balance_logged: bool = False
+    _memo: AttentionMemo | None = None  # the checkpointed block whose attention outputs are kept (selective level)
 
     # ------------------------------------------------------------------ coordinates
 
@@ -128,7 +130,7 @@ class Runtime:
         if self.config.memory.tiled_mlp_tokens:  # before checkpointing wraps the blocks
             apply_tiled_mlp(found, tile_tokens=self.config.memory.tiled_mlp_tokens)
         if checkpointing:
-            apply_activation_checkpointing(found, model, recompute_context=self._recompute_context)
+            apply_activation_checkpointing(found, model, contexts=self._checkpoint_contexts)
             found = find_blocks(model) if blocks is None else found
         if self.config.fsdp.version == 2:
             apply_fsdp(model, mesh=self.axes["fsdp"], fsdp=self.config.fsdp, blocks=found,
@@ -145,9 +147,31 @@ class Runtime:
         guards.forget_replaced_parameters(before, model)
         return model
 
-    def _recompute_context(self) -> contextlib.AbstractContextManager:
-        """Called in a checkpointed block's forward: route its recompute as the forward was routed."""
-        return self._routing(self._documents) if self._cp_active else contextlib.nullcontext()
+    def _checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """Called at each checkpointed block call: the contexts around its forward and its recompute.
+
+        The recompute is routed as the forward was; at the selective level the forward records
+        its attention outputs and the recompute replays them, so attention runs once.
+        """
+        routing = self._routing(self._documents) if self._cp_active else contextlib.nullcontext()
+        if self.config.memory.checkpoint_level == "full":
+            return contextlib.nullcontext(), routing
+        from torch.autograd.graph import save_on_cpu
+
+        memo = AttentionMemo(keep_saved=(lambda: save_on_cpu(pin_memory=True)) if self.config.memory.offload_activations
+                             else keep_on_device)
+        return self._using_memo(memo, memo.recording()), self._using_memo(memo, routing, memo.replay())
+
+    @contextlib.contextmanager
+    def _using_memo(self, memo: AttentionMemo, *contexts: contextlib.AbstractContextManager) -> Iterator[None]:
+        was, self._memo = self._memo, memo
+        try:
+            with contextlib.ExitStack() as stack:
+                for context in contexts:
+                    stack.enter_context(context)
+                yield
+        finally:
+            self._memo = was
 
     @contextlib.contextmanager
     def _routing(self, documents: list[packing.Starts] | None) -> Iterator[None]:
@@ -198,12 +222,16 @@ class Runtime:
         not causal); `chunk`: only keys of its own `chunk`-token chunk (Llama 4); `documents`:
         per batch row, the start of every packed document; queries see only their own.
         """
-        if self.cp_size == 1 and window is None and chunk is None and documents is None:
-            return torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-        return context_parallel_attention(
-            q, k, v, group=self.cp_group, layout=self.layout, strategy=self.config.parallelism.cp_comm_strategy,
-            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window, chunk=chunk, documents=documents)
+        def compute() -> torch.Tensor:
+            if self.cp_size == 1 and window is None and chunk is None and documents is None:
+                return torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            return context_parallel_attention(
+                q, k, v, group=self.cp_group, layout=self.layout, strategy=self.config.parallelism.cp_comm_strategy,
+                is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window, chunk=chunk,
+                documents=documents)
+
+        return self._memo.call(compute) if self._memo is not None else compute()
 
     def step_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
         """`attention` with this step's packed documents: what routed calls inside the context get."""

@@ -206,8 +206,10 @@ def _ask_all(ask: _Asker) -> None:
         ask.confirm("parallelism.cp_load_balance", default=True)
     ask.select("fsdp.mixed_precision", default=AUTO)
     ask.confirm("fsdp.activation_checkpointing", default=False)
+    if answers["fsdp.activation_checkpointing"]:  # a level of nothing otherwise
+        ask.select("memory.checkpoint_level", default="full")
     placed = set(answers) | {"launch.node_rank", "launch.rdzv_endpoint", "parallelism.cp_comm_strategy",
-                             "parallelism.cp_load_balance"}
+                             "parallelism.cp_load_balance", "memory.checkpoint_level"}
     for path, spec in KEYS.items():
         if spec.spec.prompt and path not in placed:
             ask.ask(path)

@@ -1,18 +1,24 @@
-"""End-to-end training throughput and memory of a ~1.1B Llama at long sequence lengths.
+"""Training throughput and memory at long sequence lengths, with cpctl's memory options.
 
-bf16 (FSDP2 mixed precision), activation checkpointing, AdamW, one sequence per step.
-Run once per GPU count through cpctl's own launcher; each run appends JSON lines:
+The model is the example's (`--model 1b`, scripts/llama.py) or an unmodified Hugging Face
+`LlamaForCausalLM` with a real model's shape and vocabulary and random weights
+(`--model hf:llama-3.2-1b`, `hf:llama-3.2-3b`: the shapes `cpctl plan` knows). bf16 (FSDP2
+mixed precision), AdamW, one sequence per step. Activation checkpointing and the memory
+options are the profile's (`--activation-checkpointing`, `--checkpoint-level`,
+`--tiled-mlp-tokens`, `--offload-activations`, ...); `--chunked-loss` takes the loss from the
+hidden states a chunk at a time. Each run appends JSON lines, one per length:
 
-    python -m cpctl launch --nproc-per-node 1 --cp-size 1 --device cuda scripts/bench_train.py \
-        --seqs 32k,64k,128k --out docs/benchmarks/train_h200x2.jsonl
-    python -m cpctl launch --nproc-per-node 2 --cp-size 2 --device cuda scripts/bench_train.py \
-        --seqs 64k,128k,256k --out docs/benchmarks/train_h200x2.jsonl
+    python -m cpctl launch --nproc-per-node 1 --device cuda --activation-checkpointing true \
+        scripts/bench_train.py --seqs 32k,64k,128k --out docs/benchmarks/train_h200x2.jsonl
+    python -m cpctl launch --nproc-per-node 1 --device cuda --activation-checkpointing true \
+        --tiled-mlp-tokens 8192 --offload-activations true \
+        scripts/bench_train.py --model hf:llama-3.2-1b --chunked-loss --seqs 32k --probe 512k
 
-Measured on 2 x H200 (nvidia-h200-x2), torch 2.11. Fields: world, cp, seq, step_s (median),
-tokens_per_s, mfu (model FLOPs incl. causal attention, over 989 TFLOP/s dense bf16 per GPU,
-the H200 datasheet figure), peak_gib (max over ranks of torch's peak allocated memory), and
-error "out of memory" where a length does not train. `--probe` lengths run one step only, to
-find the longest sequence that trains.
+Fields: world, cp, seq, the options, step_s (median), tokens_per_s, mfu (model FLOPs incl.
+causal attention, over 989 TFLOP/s dense bf16 per GPU, the H200 datasheet figure), peak_gib
+(max over ranks of torch's peak allocated memory), plan_gib (what `cpctl plan` predicts for
+the same setup), and error "out of memory" where a length does not train. `--probe` lengths
+run one step only, to find the longest sequence that trains.
 """
 
 from __future__ import annotations
@@ -29,73 +35,146 @@ import torch
 import torch.distributed as dist
 
 import cpctl
+from cpctl import planner
 
-# The model and the training step are the example's own (scripts/llama.py, scripts/train_llama.py),
-# imported from beside this file however it is started.
+# The example's model and training step (scripts/llama.py, scripts/train_llama.py), imported
+# from beside this file however it is started.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import PRESETS, Llama  # noqa: E402
-from train_llama import train_step  # noqa: E402
+from train_llama import peak_memory_gib, train_step  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0
-K = 1024
+HF_PREFIX = "hf:"
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--preset", default="1b", choices=sorted(PRESETS))
+    p.add_argument("--model", "--preset", default="1b",
+                   help=f"an example preset ({', '.join(sorted(PRESETS))}) or hf:<shape> "
+                        f"({', '.join(HF_PREFIX + n for n in planner.PRESETS if n.startswith('llama-'))})")
     p.add_argument("--seqs", default="32k,64k,128k", help="lengths to time, e.g. 32k,64k")
     p.add_argument("--probe", default="", help="longer lengths to try once each, to find the longest that trains")
+    p.add_argument("--chunked-loss", action="store_true", help="the loss a chunk of tokens at a time")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default=None)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    name = args.model.removeprefix(HF_PREFIX)
+    if args.model not in PRESETS and not (args.model.startswith(HF_PREFIX) and name in planner.PRESETS):
+        p.error(f"--model {args.model}: not an example preset nor hf:<a shape cpctl plan knows>")
+    return args
 
 
-def tokens(label: str) -> int:
-    return int(label[:-1]) * K if label.endswith("k") else int(label)
+class HuggingFaceLlama:
+    """An unmodified transformers LlamaForCausalLM of a planner shape, and its training step."""
+
+    def __init__(self, rt, shape: planner.ModelShape, *, max_seq: int, chunked_loss: bool):
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.dim, intermediate_size=shape.ffn_dim,
+                             num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
+                             num_key_value_heads=shape.n_kv_heads, head_dim=shape.head_dim,
+                             tie_word_embeddings=shape.tied_embeddings, max_position_embeddings=max_seq,
+                             rope_theta=500000.0, attn_implementation="sdpa", use_cache=False)
+        with torch.device(rt.device):  # random weights, made where they will live
+            self.model = rt.prepare_model(LlamaForCausalLM(config))
+        self.rt, self.shape, self.chunked_loss = rt, shape, chunked_loss
+        self.vocab_size = shape.vocab_size
+
+    def step(self, optimizer, ids: torch.Tensor) -> None:
+        rt, ids = self.rt, ids.to(self.rt.device)
+        labels, pos = ids.clone(), cpctl.position_ids_like(ids)  # transformers shifts labels itself
+        with rt.maybe_context_parallel(buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1],
+                                       no_restore_buffers={ids, labels, pos}):
+            if self.chunked_loss:
+                loss = rt.causal_lm_loss(self.model, input_ids=ids, labels=labels, position_ids=pos)
+            else:
+                loss = self.model(input_ids=ids, labels=labels, position_ids=pos).loss
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """6 x matmul parameters (blocks and head) + causal attention, as the example counts."""
+        shape = self.shape
+        return 6 * (shape.n_layers * shape.block_params + shape.vocab_size * shape.dim) + 6 * shape.n_layers * shape.dim * seq_len
 
 
-def run_length(rt, model, optimizer, seq: int, *, warmup: int, steps: int) -> dict:
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+class ExampleLlama:
+    """scripts/llama.py's model and scripts/train_llama.py's step."""
+
+    def __init__(self, rt, name: str, *, chunked_loss: bool):
+        torch.manual_seed(0)
+        self.model = rt.prepare_model(Llama(PRESETS[name]))
+        self.rt, self.chunked_loss = rt, chunked_loss
+        self.vocab_size = PRESETS[name].vocab_size
+        self.flops_per_token = self.model.flops_per_token
+
+    def step(self, optimizer, ids: torch.Tensor) -> None:
+        train_step(self.rt, self.model, optimizer, ids, chunked_loss=self.chunked_loss)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run_length(rt, bench, optimizer, seq: int, *, warmup: int, steps: int) -> dict:
+    if rt.device.type == "cuda":  # on CPU (a smoke run) the peak is the process's RSS
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     gen = torch.Generator().manual_seed(seq)
-    ids = torch.randint(model.cfg.vocab_size, (1, seq), generator=gen)
+    ids = torch.randint(bench.vocab_size, (1, seq), generator=gen)
     times = []
     for i in range(warmup + steps):
         dist.barrier()
-        torch.cuda.synchronize()
+        synchronize(rt.device)
         start = time.perf_counter()
-        train_step(rt, model, optimizer, ids.clone())
-        torch.cuda.synchronize()
+        bench.step(optimizer, ids.clone())
+        synchronize(rt.device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
-    peak = torch.tensor(torch.cuda.max_memory_allocated() / 2**30, device=rt.device)
+    peak = torch.tensor(peak_memory_gib(rt.device)[1], device=rt.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     tokens_per_s = seq / step_s
-    mfu = model.flops_per_token(seq) * tokens_per_s / (rt.world_size * H200_BF16_DENSE_TFLOPS * 1e12)
+    mfu = bench.flops_per_token(seq) * tokens_per_s / (rt.world_size * H200_BF16_DENSE_TFLOPS * 1e12)
     return dict(step_s=round(step_s, 3), tokens_per_s=round(tokens_per_s), mfu=round(mfu, 3),
                 peak_gib=round(peak.item(), 2))
 
 
+def options(rt, chunked_loss: bool) -> dict:
+    """The settings a row was measured with: what `cpctl plan` needs to predict it."""
+    profile = rt.config
+    return dict(activation_checkpointing=profile.fsdp.activation_checkpointing,
+                checkpoint_level=profile.memory.checkpoint_level, chunked_loss=chunked_loss,
+                tiled_mlp_tokens=profile.memory.tiled_mlp_tokens,
+                offload_activations=profile.memory.offload_activations, cpu_offload=profile.memory.cpu_offload)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    rt = cpctl.init(activation_checkpointing=True)  # the benchmark's setting, whatever the profile says
-    cfg = PRESETS[args.preset]
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        n_params = sum(p.numel() for p in Llama(cfg).parameters())
-    model = rt.prepare_model(Llama(cfg))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    plan = [(label, args.warmup, args.steps) for label in args.seqs.split(",") if label]
-    plan += [(label, 0, 1) for label in args.probe.split(",") if label]
-    for label, warmup, steps in plan:
-        seq = tokens(label)
-        record = dict(preset=args.preset, params=n_params, world=rt.world_size, cp=rt.cp_size,
+    rt = cpctl.init()
+    lengths = [(label, args.warmup, args.steps) for label in args.seqs.split(",") if label]
+    lengths += [(label, 0, 1) for label in args.probe.split(",") if label]
+    name = args.model.removeprefix(HF_PREFIX)
+    if args.model.startswith(HF_PREFIX):
+        longest = max(planner.parse_tokens(label) for label, _, _ in lengths)
+        bench = HuggingFaceLlama(rt, planner.PRESETS[name], max_seq=longest, chunked_loss=args.chunked_loss)
+    else:
+        bench = ExampleLlama(rt, name, chunked_loss=args.chunked_loss)
+    n_params = sum(p.numel() for p in bench.model.parameters())
+    optimizer = torch.optim.AdamW(bench.model.parameters(), lr=1e-4)
+    setup = planner.Setup.from_profile(rt.config, chunked_loss=args.chunked_loss)
+    for label, warmup, steps in lengths:
+        seq = planner.parse_tokens(label)
+        record = dict(model=args.model, params=n_params, world=rt.world_size, cp=rt.cp_size,
                       strategy=rt.config.parallelism.cp_comm_strategy, seq=seq, probe=steps == 1 and warmup == 0,
-                      gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+                      **options(rt, args.chunked_loss),
+                      plan_gib=round(planner.peak_gib(planner.PRESETS[name], setup, seq), 2),
+                      gpu=torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu", torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
         try:
-            record.update(run_length(rt, model, optimizer, seq, warmup=warmup, steps=steps))
+            record.update(run_length(rt, bench, optimizer, seq, warmup=warmup, steps=steps))
         except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
             record["error"] = "out of memory"

@@ -12,8 +12,8 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
     > "$out/train_cp$2.log" 2>&1 || tail -5 "$out/train_cp$2.log"
 done
 [ "${SKIP_LOSSES:-0}" = 1 ] || python scripts/summarize.py losses "$out/losses_cp1.json" "$out/losses_cp2.json"
-[ "${SKIP_ONE_GPU:-0}" = 1 ] || python -m cpctl launch --device cuda --nproc-per-node 1 --cp-size 1 scripts/bench_train.py \
+[ "${SKIP_ONE_GPU:-0}" = 1 ] || python -m cpctl launch --device cuda --nproc-per-node 1 --cp-size 1 --activation-checkpointing true scripts/bench_train.py \
   --seqs 32k,64k,128k --probe 192k,256k --out "$out/train_h200x2.jsonl" > "$out/bench_train1.log" 2>&1 || tail -5 "$out/bench_train1.log"
-python -m cpctl launch --device cuda --nproc-per-node 2 --cp-size 2 scripts/bench_train.py \
+python -m cpctl launch --device cuda --nproc-per-node 2 --cp-size 2 --activation-checkpointing true scripts/bench_train.py \
   --seqs 64k,128k,256k --probe 384k,512k --out "$out/train_h200x2.jsonl" > "$out/bench_train2.log" 2>&1 || tail -5 "$out/bench_train2.log"
 cat "$out/train_h200x2.jsonl"

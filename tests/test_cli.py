@@ -121,7 +121,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--dp-replicate-size", "--dp-shard-size", "--cp-size", "--tp-size", "--cp-comm-strategy",
         "--cp-load-balance", "--fsdp-version", "--reshard-after-forward", "--mixed-precision",
         "--activation-checkpointing", "--attention", "--device", "--nnodes", "--nproc-per-node",
-        "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens",
+        "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
         "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload",
     }
     own = {

@@ -18,6 +18,9 @@ LAYOUTS = {
     "cp2": (("--nproc-per-node", "2", "--cp-size", "2"), 2, 1),
     # the model's own gradient checkpointing (cpctl's replaces it), backward after the context
     "cp2-checkpointing": (("--nproc-per-node", "2", "--cp-size", "2"), 2, 1),
+    # the same at the selective level: attention's outputs kept, not recomputed
+    "cp2-selective-checkpointing": (("--nproc-per-node", "2", "--cp-size", "2", "--activation-checkpointing", "true",
+                                     "--checkpoint-level", "selective"), 2, 1),
     # the decoder layers' MLPs in tiles of 8 tokens (a shard holds 32)
     "cp2-tiled-mlp": (("--nproc-per-node", "2", "--cp-size", "2", "--tiled-mlp-tokens", "8"), 2, 1),
     # tp: the model's own base_model_tp_plan ("colwise"/"rowwise") is the default plan
@@ -36,6 +39,8 @@ def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, layout
     result = json.loads(out.read_text())
     assert (result["cp"], result["tp"]) == (cp, tp) and result["n_params"] > 0
     assert result["checkpointed"] == layout.endswith("checkpointing")
+    # engine calls in the step: one per layer and pass (forward; a full checkpoint's recompute)
+    assert result["attention_calls"] == (4 if layout == "cp2-checkpointing" else 2 if cp > 1 else 0)
     assert result["tiled_mlps"] == (2 if layout.endswith("tiled-mlp") else 0)  # both layers' MLPs, or none
     assert result["logits"] <= 1e-5
     assert result["grads"] <= 1e-5

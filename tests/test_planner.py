@@ -117,6 +117,20 @@ def test_every_option_lowers_the_memory() -> None:
     assert ring.total("attention_backward") < gathered.total("attention_backward")
 
 
+def test_the_selective_level_keeps_attention_tensors_per_layer() -> None:
+    model, seq = PRESETS["1b"], 128 * K
+    full = planner.estimate(model, CHUNKED, seq)
+    selective = planner.estimate(model, dataclasses.replace(CHUNKED, checkpoint_level="selective"), seq)
+    # q, k, v, out in bf16 and an fp32 log-sum-exp per head, for every layer and token; the block
+    # in backward no longer recomputes its own copy of them
+    kept_per_layer = seq * (2 * (2 * model.q_dim + 2 * model.kv_dim) + 4 * model.n_heads)
+    added = selective.total("mlp_backward") - full.total("mlp_backward")
+    assert added == pytest.approx((model.n_layers - 1) * kept_per_layer, rel=1e-6)
+    assert "--checkpoint-level full (slower)" in [s.what for s in planner.suggestions(
+        planner.estimate(model, dataclasses.replace(CHUNKED, checkpoint_level="selective"), 1024 * K),
+        available=planner.available_options())]
+
+
 def test_advice_when_it_does_not_fit() -> None:
     result = planner.make_plan(PRESETS["1b"], AC, 256 * K)
     assert not result.estimate.fits

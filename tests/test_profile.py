@@ -403,3 +403,13 @@ def test_activation_offload_needs_checkpointing(tmp_path: Path) -> None:
     flags = {"memory.offload_activations": "true", "launch.device": "cuda", "launch.nproc_per_node": "1"}
     message = error_of(tmp_path, flags=flags, machine=P.Machine(cuda_devices=1))
     assert "without fsdp.activation_checkpointing would pin every activation" in message
+
+
+def test_selective_level_needs_checkpointing(tmp_path: Path) -> None:
+    message = error_of(tmp_path, flags={"memory.checkpoint_level": "selective", "launch.device": "cpu"})
+    assert "memory.checkpoint_level: selective without fsdp.activation_checkpointing" in message
+    assert "set activation_checkpointing: true" in message
+    resolve_apart(tmp_path, flags={"memory.checkpoint_level": "selective", "launch.device": "cpu",
+                                   "fsdp.activation_checkpointing": "true"})
+    bad = error_of(tmp_path, flags={"memory.checkpoint_level": "some", "launch.device": "cpu"})
+    assert "'some' is not allowed for memory.checkpoint_level; expected full or selective" in bad

@@ -83,13 +83,15 @@ def test_custom_answers_are_written(tmp_path):
             + typed("2") + ENTER + ENTER        # cp 2, tp 1, dp_replicate 1
             + ENTER                             # dp_shard: the computed 4 / (1 * 2 * 1) = 2
             + DOWN + ENTER                      # alltoall
-            + "n" + DOWN + ENTER + "y")         # no load balance, bf16, checkpointing
+            + "n" + DOWN + ENTER + "y"          # no load balance, bf16, checkpointing
+            + DOWN + ENTER)                     # the selective level
     code, _ = drive(keys, output=out)
     assert code == 0
     written = yaml.safe_load(out.read_text())
     assert written["parallelism"] == {"dp_replicate_size": 1, "dp_shard_size": 2, "cp_size": 2, "tp_size": 1,
                                       "cp_comm_strategy": "alltoall", "cp_load_balance": False}
     assert written["fsdp"] == {"mixed_precision": "bf16", "activation_checkpointing": True}
+    assert written["memory"] == {"checkpoint_level": "selective"}
     assert written["launch"] == {"device": "auto", "nnodes": 1, "nproc_per_node": 4}
     got = resolved(out)
     assert got.world_size == 4 and got.parallelism.dp_shard_size == 2

@@ -186,6 +186,13 @@ def _offload_with_checkpoints(v: Mapping[str, Any], machine: Machine | None) -> 
     return None
 
 
+def _level_needs_checkpoints(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    if v["memory.checkpoint_level"] != "full" and not v["fsdp.activation_checkpointing"]:
+        return (f"memory.checkpoint_level: {v['memory.checkpoint_level']} without fsdp.activation_checkpointing: "
+                "nothing is recomputed to select from; set activation_checkpointing: true (or remove the level)")
+    return None
+
+
 RULES = (
     Rule(("launch.device", "launch.nproc_per_node"), _nproc_counts_gpus),
     Rule(("launch.device", "launch.nproc_per_node"), _gpus_visible, needs_machine=True),
@@ -196,6 +203,7 @@ RULES = (
     Rule(("launch.nnodes", "launch.rdzv_endpoint"), _nodes_need_rendezvous),
     Rule(("launch.device", "memory.offload_activations", "memory.cpu_offload"), _offload_needs_gpus),
     Rule(("memory.offload_activations", "fsdp.activation_checkpointing"), _offload_with_checkpoints),
+    Rule(("memory.checkpoint_level", "fsdp.activation_checkpointing"), _level_needs_checkpoints),
 )
 
 

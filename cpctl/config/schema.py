@@ -158,6 +158,12 @@ class Fsdp:
 class Memory:
     loss_chunk_tokens: int = key(integer(minimum=1), 4096, "tokens per chunk of rt.causal_lm_loss, which never "
                                  "holds the full logits (smaller: less memory, more kernel calls)")
+    checkpoint_level: str = key(one_of("full", "selective"), "full", "with activation checkpointing: full "
+                                "recomputes whole blocks in backward; selective keeps what attention saved, so "
+                                "attention and its CP exchange run once", prompt="Checkpointing level",
+                                choices={"full": "full       least memory: recompute whole blocks, attention included",
+                                         "selective": "selective  faster: keep attention's tensors (Q, K, V, output), "
+                                                      "recompute the rest"})
     tiled_mlp_tokens: int = key(integer(minimum=0), 0, "run each block's MLP over the sequence in tiles of this "
                                 "many tokens, recomputed per tile in backward (0: off)")
     offload_activations: bool = key(SWITCH, False, "keep the tensors saved for backward (with activation "

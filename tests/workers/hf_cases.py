@@ -39,7 +39,8 @@ def main() -> None:
     ref_logits = reference(input_ids=ids).logits
     F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
 
-    # The CP step, as README.md's training loop writes it.
+    # The CP step, as README.md's training loop writes it; the engine's calls are counted.
+    attention_calls = count_calls(cpctl.runtime, "context_parallel_attention")
     pos = cpctl.position_ids_like(ids)
     with rt.maybe_context_parallel(buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1],
                                    no_restore_buffers={ids, labels, pos}):
@@ -57,15 +58,28 @@ def main() -> None:
         (param.grad.full_tensor() - grads[name.replace("._checkpoint_wrapped_module", "")].grad).abs().max().item()
         for name, param in model.named_parameters()
     )
+    calls_in_step = attention_calls[0]
     refusals = refused_calls(rt, model, config) if rt.cp_size > 1 else {}  # after the step: they raise mid-forward
     if rt.is_main:
         with open(sys.argv[1], "w") as f:
             checkpointed = any("checkpoint" in type(m).__name__.lower() for m in model.modules())
             tiled = sum(getattr(m.__dict__.get("forward"), "func", None).__name__ == "tiled_forward"
                         for m in model.modules() if "forward" in m.__dict__)
-            json.dump({"checkpointed": checkpointed, "tiled_mlps": tiled, "cp": rt.cp_size, "tp": rt.config.parallelism.tp_size,
+            json.dump({"attention_calls": calls_in_step, "checkpointed": checkpointed, "tiled_mlps": tiled, "cp": rt.cp_size, "tp": rt.config.parallelism.tp_size,
                        "logits": (full_logits - ref_logits.detach()).abs().max().item(),
                        "grads": grad_error, "n_params": len(grads), "refusals": refusals}, f)
+
+
+def count_calls(module, name: str) -> list[int]:
+    """A one-element list counting the calls of `module.name` from now on."""
+    calls, inner = [0], getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return inner(*args, **kwargs)
+
+    setattr(module, name, counted)
+    return calls
 
 
 def refused_calls(rt, model, config) -> dict:
