@@ -297,6 +297,9 @@ def plan(
     chunked_loss: Annotated[bool, typer.Option(
         "--chunked-loss", help="The loss is chunked (rt.causal_lm_loss): memory.loss_chunk_tokens tokens of logits "
         "at a time, never the full logits.", rich_help_panel=_PLAN, **SWITCH)] = False,
+    model_loss: Annotated[bool, typer.Option(
+        "--model-loss", help="The loss is model(labels=...).loss: the loop does not keep the logits through backward.",
+        rich_help_panel=_PLAN, **SWITCH)] = False,
     gpus: Annotated[str | None, typer.Option(
         "--gpus", help="What if the world were N GPUs: all of them CP unless --cp-size is given.",
         metavar="N", show_default=False, rich_help_panel=_PLAN)] = None,
@@ -327,7 +330,7 @@ def plan(
         memory = planner.parse_number(gpu_memory, what="--gpu-memory", minimum=0.001)
         sequences = int(planner.parse_number(batch, what="--batch", integer=True))
         resolved = planner.resolve_setup(flags=flags, config=config, profile_name=profile, gpus=world,
-                                         chunked_loss=chunked_loss, batch=sequences)
+                                         chunked_loss=chunked_loss, logits_kept=not model_loss, batch=sequences)
         result = planner.make_plan(shape, resolved.setup, tokens, gpu_memory_gib=memory,
                                    available=planner.available_options())
     if json_output:

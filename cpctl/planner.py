@@ -9,6 +9,10 @@ function below, in bytes per GPU, at each of the moments of a step where the pea
 * `mlp_backward` / `attention_backward`: the first block's backward (the last layer), after
   its recompute: all checkpoints are still alive, plus the block's own working set, at its
   largest either in the MLP's backward or in attention's (where CP gathers K/V).
+* `last_block_backward`: attention's backward in the last block of the backward (the first
+  layer): the checkpoints are gone but the fp32 sharded gradients of every other block are
+  there. The peak falls here when checkpoints do not hold GPU memory (offload_activations)
+  or when the gradients outweigh them (few tokens, few shards).
 * `optimizer_step`: sharded fp32 parameters, gradients and AdamW state, and the fp32
   temporary AdamW's foreach step makes.
 
@@ -16,9 +20,11 @@ The model is what `scripts/train_llama.py` and the README's loop do: FSDP2 over 
 (tensor parallelism splits the blocks), mixed precision (a block's parameters gathered in
 bf16 while it runs, the root's embeddings and head gathered for the whole step), activation
 checkpointing per block, AdamW, `optimizer.zero_grad(set_to_none=True)`, and the loss as
-`F.cross_entropy(logits.float(), ...)` with `logits` held by the loop until backward ends,
-or a chunked loss (`rt.causal_lm_loss`). Calibration (tests/test_planner.py, docs/cli.md): the
-sum of the terms matches torch.cuda.max_memory_allocated of measured H200 runs within 1%.
+`F.cross_entropy(logits.float(), ...)` with `logits` held by the loop until backward ends
+(or `model(labels=...).loss`, which holds them not), or a chunked loss (`rt.causal_lm_loss`).
+Calibration (tests/test_planner.py, docs/cli.md): the sum of the terms matches
+torch.cuda.max_memory_allocated of 26 measured H200 runs, with and without the memory options,
+within 2% (one within 5%).
 What torch's peak does not count is added last: a fixed CUDA/NCCL overhead and the
 allocator's headroom (memory it holds in blocks it cannot reuse).
 """
@@ -39,7 +45,8 @@ from cpctl.errors import CpctlError
 
 GiB = 2**30
 FP32 = 4  # bytes
-MOMENTS = ("loss", "mlp_backward", "attention_backward", "optimizer_step")
+MOMENTS = ("loss", "mlp_backward", "attention_backward", "last_block_backward", "optimizer_step")
+BLOCK_MOMENTS = ("mlp_backward", "attention_backward", "last_block_backward")
 GPU_COUNTS = (1, 2, 4, 8, 16, 32)  # the rows of "longest sequence that fits"
 MAX_GPUS = 4096  # how far "GPUs needed" searches
 MAX_TOKENS = 2**40
@@ -232,6 +239,8 @@ class Setup:
     offload_activations: bool = False
     cpu_offload: bool = False
     batch: int = 1  # sequences per CP group in one step
+    logits_kept: bool = True  # the loop holds the logits until backward ends (not with model(labels=...).loss)
+    first_step: bool = False  # AdamW's state does not exist until the first optimizer step
 
     @classmethod
     def from_profile(cls, profile: Any, *, chunked_loss: bool = False, batch: int = 1) -> Setup:
@@ -289,7 +298,7 @@ class Resolved:
 
 
 def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None, profile_name: str | None = None,
-                  gpus: int | None = None, chunked_loss: bool = False, batch: int = 1,
+                  gpus: int | None = None, chunked_loss: bool = False, logits_kept: bool = True, batch: int = 1,
                   environ: Mapping[str, str] | None = None, cwd: str | Path | None = None) -> Resolved:
     """The profile `cpctl check --static` would validate (a cuda profile as on its own node, so a
     GPU plan works on a laptop); `device: auto` is taken as cuda. `--gpus N` makes the world N
@@ -316,7 +325,8 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
         if "parallelism.dp_shard_size" not in flags:
             extra["parallelism.dp_shard_size"] = AUTO
     shown = preview(flags={**flags, **extra}, config=config, profile_name=profile_name, environ=environ, cwd=cwd)
-    setup = Setup.from_profile(shown.resolved.profile, chunked_loss=chunked_loss, batch=batch)
+    setup = dataclasses.replace(Setup.from_profile(shown.resolved.profile, chunked_loss=chunked_loss, batch=batch),
+                                logits_kept=logits_kept)
     return Resolved(setup, shown.target, note)
 
 
@@ -368,11 +378,13 @@ class Term:
     how: str
 
 
-def _at(loss: float = 0, mlp: float | None = None, attention: float | None = None, step: float | None = None) -> dict[str, float]:
-    """Bytes at the four moments; the backward moments default to the loss's, the step to 0."""
+def _at(loss: float = 0, mlp: float | None = None, attention: float | None = None, step: float | None = None,
+        last: float | None = None) -> dict[str, float]:
+    """Bytes at the moments; each backward moment defaults to the one before it, the step to 0."""
     mlp = loss if mlp is None else mlp
-    return {"loss": loss, "mlp_backward": mlp, "attention_backward": mlp if attention is None else attention,
-            "optimizer_step": 0 if step is None else step}
+    attention = mlp if attention is None else attention
+    return {"loss": loss, "mlp_backward": mlp, "attention_backward": attention,
+            "last_block_backward": attention if last is None else last, "optimizer_step": 0 if step is None else step}
 
 
 def parameters(z: Sizes) -> Term:
@@ -396,14 +408,15 @@ def gathered_parameters(z: Sizes) -> Term:
 
 
 def gradients(z: Sizes) -> Term:
-    """None at the loss (zero_grad(set_to_none=True)); in the first block's backward the head's
-    gradient (kept gathered until backward ends), the block's own and its fp32 reduce-scatter
-    input; fp32 sharded gradients at the step."""
+    """None at the loss (zero_grad(set_to_none=True)); in a block's backward the head's gradient
+    (kept gathered until backward ends), the block's own and its fp32 reduce-scatter input,
+    and in the last block the fp32 sharded gradients of all the others; all of them at the step."""
     head = z.act * z.model.vocab_size * z.model.dim
     block = z.act * z.block_params_per_gpu + (FP32 * z.block_params_per_gpu if z.act != FP32 else 0)
+    done = 0 if z.setup.cpu_offload else (z.model.n_layers - 1) * FP32 * z.block_params_per_gpu / z.shards
     sharded = 0 if z.setup.cpu_offload else FP32 * z.params_per_gpu
-    return Term("gradients", _at(0, mlp=head + block, step=sharded),
-                "head's + a block's in backward; fp32 sharded at the step")
+    return Term("gradients", _at(0, mlp=head + block, last=head + block + done, step=sharded),
+                "head's + a block's in backward, + the other blocks' fp32 shards at the last; all at the step")
 
 
 def optimizer_state(z: Sizes) -> Term:
@@ -411,7 +424,7 @@ def optimizer_state(z: Sizes) -> Term:
     if z.setup.cpu_offload:
         return Term("optimizer state", _at(0), "AdamW, on CPU (cpu_offload)")
     state = 2 * FP32 * z.params_per_gpu
-    return Term("optimizer state", _at(state, step=state + FP32 * z.params_per_gpu),
+    return Term("optimizer state", _at(0 if z.setup.first_step else state, step=state + FP32 * z.params_per_gpu),
                 "AdamW, 2 fp32 states; +1 temporary at the step")
 
 
@@ -459,6 +472,7 @@ def activations(z: Sizes) -> Term:
         per_layer = block_saved_per_token(z)
     layers_held = min(model.n_layers, 2) if z.setup.offload_activations else model.n_layers
     blocks = layers_held * per_layer * tokens
+    last_block = per_layer * tokens  # the first layer's own, all that is left
     head_inputs = 0 if z.setup.offload_activations else _norm_saved(z) * tokens
     if z.setup.activation_checkpointing:
         how = f"{model.n_layers} block inputs, {z.dtype}; the head's inputs"
@@ -468,7 +482,7 @@ def activations(z: Sizes) -> Term:
         how = f"all {model.n_layers} blocks' activations (no checkpointing)"
     if z.setup.offload_activations:
         how = f"in pinned CPU memory (offload_activations); {layers_held} layers' worth back at a time"
-    return Term("activations for backward", _at(blocks + head_inputs, mlp=blocks), how)
+    return Term("activations for backward", _at(blocks + head_inputs, mlp=blocks, last=last_block), how)
 
 
 def attention_working_set(z: Sizes) -> Term:
@@ -480,6 +494,8 @@ def attention_working_set(z: Sizes) -> Term:
     # The selective level recomputes the norm only: attention's own tensors are in `activations`.
     recomputed = (attention_saved_per_token(z) - selective_kept_per_token(z)) * tokens if z.setup.activation_checkpointing else 0
     grads = (z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.q_dim / tp + z.act * model.dim) * tokens
+    # then the block's input norm differentiates in fp32: about 4 tensors of model width
+    norm_backward = 4 * FP32 * model.dim * tokens
     kv_per_token = 2 * z.act * model.kv_dim / tp  # K and V
     if z.setup.cp == 1:
         moved, how = 0, "q, k, v, out, their gradients"
@@ -489,7 +505,8 @@ def attention_working_set(z: Sizes) -> Term:
     else:
         moved = 4 * kv_per_token * tokens
         how = "q, k, v, out, gradients; 2 K/V blocks + 2 gradient blocks"
-    return Term("attention working set", _at(0, mlp=recomputed, attention=recomputed + grads + moved), how)
+    return Term("attention working set", _at(0, mlp=recomputed, attention=recomputed + grads + moved + norm_backward),
+                how + "; the norm's fp32 backward")
 
 
 def mlp_working_set(z: Sizes) -> Term:
@@ -511,6 +528,8 @@ def loss(z: Sizes) -> Term:
     model, tokens = z.model, z.local_tokens
     if not z.setup.chunked_loss:
         logits = z.act * model.vocab_size * tokens
+        if not z.setup.logits_kept:  # model(labels=...).loss: the output, logits and all, is dropped
+            return Term("loss", _at(3 * FP32 * model.vocab_size * tokens, mlp=0), "logits x (4+4+4) B")
         at_loss = logits + 3 * FP32 * model.vocab_size * tokens
         return Term("loss", _at(at_loss, mlp=logits),
                     f"logits x ({z.act}+4+4+4) B; the {z.dtype} logits stay until backward ends")
@@ -518,6 +537,23 @@ def loss(z: Sizes) -> Term:
     at_loss = 4 * FP32 * model.vocab_size * chunk + FP32 * model.vocab_size * model.dim + z.act * model.dim * tokens
     return Term("loss", _at(at_loss, mlp=0),
                 f"chunks of {chunk} tokens x vocab x 16 B; head's fp32 gradient")
+
+
+def _pinned_block(size: float) -> float:
+    """PyTorch's pinned host allocator rounds each block up to a power of two."""
+    return float(2 ** math.ceil(math.log2(size))) if size > 0 else 0.0
+
+
+def host_memory(z: Sizes) -> float:
+    """Pinned host memory: each offloaded block's saved tensors (the block input, and what the
+    selective level keeps), and with cpu_offload the sharded parameters, gradients and AdamW state."""
+    host = 0.0
+    if z.setup.offload_activations and z.setup.activation_checkpointing:
+        per_layer = z.act * z.model.dim + selective_kept_per_token(z)
+        host += z.model.n_layers * _pinned_block(per_layer * z.local_tokens)
+    if z.setup.cpu_offload:
+        host += 4 * FP32 * z.params_per_gpu
+    return host
 
 
 TERMS: tuple[Callable[[Sizes], Term], ...] = (
@@ -547,7 +583,7 @@ class Estimate:
     @property
     def block_moment(self) -> str:
         """The larger of the two moments of a block's backward."""
-        return max(("mlp_backward", "attention_backward"), key=self.total)
+        return max(BLOCK_MOMENTS, key=self.total)
 
     @property
     def peak(self) -> float:
@@ -574,6 +610,11 @@ class Estimate:
     def local_tokens(self) -> int:
         return Sizes(self.model, self.setup, self.seq_len).local_tokens
 
+    @property
+    def host_bytes(self) -> float:
+        """Pinned host memory per GPU that the offload options take (0 without them)."""
+        return host_memory(Sizes(self.model, self.setup, self.seq_len))
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "seq_len": self.seq_len, "local_tokens": self.local_tokens, "setup": dataclasses.asdict(self.setup),
@@ -583,6 +624,7 @@ class Estimate:
             "peak_moment": self.peak_moment, "peak_gib": round(self.peak / GiB, 3),
             "allocator_headroom_gib": round(self.headroom / GiB, 3), "cuda_overhead_gib": CUDA_OVERHEAD_GIB,
             "needed_gib": round(self.needed / GiB, 3), "gpu_memory_gib": self.gpu_memory_gib, "fits": self.fits,
+            "host_gib": round(self.host_bytes / GiB, 3),
         }
 
 

@@ -43,12 +43,13 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
         out.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
 
     peak, block = estimate.peak_moment, estimate.block_moment
-    columns = [("loss", "loss"), (block, f"block bwd: {'MLP' if block == 'mlp_backward' else 'attention'}"),
-               ("optimizer_step", "opt. step")]
+    block_titles = {"mlp_backward": "block bwd: MLP", "attention_backward": "block bwd: attention",
+                    "last_block_backward": "last block bwd"}
+    columns = [("loss", "loss"), (block, block_titles[block]), ("optimizer_step", "opt. step")]
     table = Table(show_edge=False, title="memory per GPU, GiB", title_justify="left")
     table.add_column("term")
     for moment, title in columns:
-        shown_peak = moment == peak or (peak in ("mlp_backward", "attention_backward") and moment == block)
+        shown_peak = moment == peak
         table.add_column(f"[bold]{title} (peak)[/]" if shown_peak else title, justify="right")
     table.add_column("counted as", overflow="fold")
 
@@ -69,6 +70,10 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
     table.add_row("[bold]needed[/]", *[f"[bold]{cell(estimate.needed)}[/]" if at_peak[m] else "" for m, _ in columns],
                   f"of {estimate.gpu_memory_gib:g} GiB: {verdict}")
     out.print(table)
+    if estimate.host_bytes:
+        out.print(f"pinned host memory per GPU: {estimate.host_bytes / gib:.1f} GiB (offloaded blocks, each rounded up "
+                  "to a power of two by PyTorch's pinned allocator; keep it well below the machine's RAM / GPUs)",
+                  soft_wrap=True)
 
     if result.suggestions:
         out.print()
