@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpctl import envinfo
+from cpctl.accelerate_env import accelerate_env
 from cpctl.errors import ERROR_DIR_ENV_VAR, REPORT_KEY, CpctlError
 from cpctl.config import PROFILE_ENV_VAR, Profile, Resolved
 
@@ -41,6 +42,7 @@ from cpctl.config import PROFILE_ENV_VAR, Profile, Resolved
 LOG_PREFIX_ENV_VAR = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 LOG_PREFIX = "[rank${rank}]: "
 TEE_ALL = "3"  # stdout and stderr of every local rank, to console (prefixed) and to log files
+ACCELERATE_SHIM = "cpctl.accelerate_shim"  # each worker's entry point for an accelerate script
 
 
 class LaunchError(CpctlError):
@@ -83,6 +85,9 @@ def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], 
         # torchrun honours --node-rank only for its static backend and warns that it ignores it.
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}"]
     argv.append(f"--tee={TEE_ALL}")  # tee'd output is what torchrun prefixes with the rank
+    if profile.launch.script_api == "accelerate":
+        # cpctl's steps go in front of accelerate's first, then the script runs (cpctl.accelerate_shim).
+        return [*argv, "--module", ACCELERATE_SHIM, *(["-m"] if module else []), target, *target_args]
     if module:
         argv.append("--module")
     return [*argv, target, *target_args]
@@ -90,7 +95,7 @@ def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], 
 
 def worker_env(profile: Profile, *, environ: Mapping[str, str]) -> dict[str, str]:
     """Variables the launcher sets for its workers."""
-    env = {PROFILE_ENV_VAR: json.dumps(profile.to_dict(), separators=(",", ":"))}
+    env = {PROFILE_ENV_VAR: json.dumps(profile.to_dict(), separators=(",", ":")), **accelerate_env(profile)}
     if LOG_PREFIX_ENV_VAR not in environ:  # a user's own template wins
         env[LOG_PREFIX_ENV_VAR] = LOG_PREFIX
     if "OMP_NUM_THREADS" not in environ and profile.launch.nproc_per_node > 1:

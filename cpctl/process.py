@@ -236,6 +236,12 @@ def _shutdown(on_exit: Callable[[], None]) -> None:
     after destroy_process_group frees the groups FSDP's and the mesh's reference cycles hold.
     """
     on_exit()
+    close_process_group()
+
+
+def close_process_group() -> None:
+    """The teardown `_shutdown` does, for a framework that destroys the process group itself
+    (accelerate's `end_training`): the same abort would follow its bare destroy."""
     if not dist.is_initialized():
         return
     if not _FAILED and dist.get_world_size() > 1 and dist.get_backend() == "gloo":

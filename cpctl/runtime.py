@@ -118,20 +118,12 @@ class Runtime:
         `blocks` are the modules to shard one by one (default: the children of the model's
         largest ModuleList, e.g. `model.layers`).
         """
-        checkpointing = self.config.fsdp.activation_checkpointing
-        if self.cp_size > 1 and huggingface.is_huggingface_model(model):
-            # Its own gradient checkpointing would recompute outside CP's routing: ours instead.
-            checkpointing = huggingface.prepare(model, self) or checkpointing
         before = {id(p): p for p in model.parameters()}
+        checkpointing = self._adopt(model)
         model = model.to(self.device)
         if self.config.parallelism.tp_size > 1:
             apply_tensor_parallel(model, tp_mesh=self.axes["tp"], tp_plan=tp_plan)
-        found = list(blocks) if blocks is not None else find_blocks(model)
-        if self.config.memory.tiled_mlp_tokens:  # before checkpointing wraps the blocks
-            apply_tiled_mlp(found, tile_tokens=self.config.memory.tiled_mlp_tokens)
-        if checkpointing:
-            apply_activation_checkpointing(found, model, contexts=self._checkpoint_contexts)
-            found = find_blocks(model) if blocks is None else found
+        found = self._transform_blocks(model, list(blocks) if blocks is not None else None, checkpointing=checkpointing)
         if self.config.fsdp.version == 2:
             apply_fsdp(model, mesh=self.axes["fsdp"], fsdp=self.config.fsdp, blocks=found,
                        cpu_offload=self.config.memory.cpu_offload)
@@ -142,10 +134,39 @@ class Runtime:
                 "fsdp.version: 1 with several data-parallel ranks; cpctl's prepare_model applies FSDP2 only: "
                 "set fsdp.version: 2 (or wrap the model in DDP/FSDP yourself and skip prepare_model)"
             )
-        if self.config.memory.offload_activations:
-            offload_saved_activations(model)
+        self.finish_model(model)
         guards.forget_replaced_parameters(before, model)
         return model
+
+    def ready_model(self, model: nn.Module) -> nn.Module:
+        """What prepare_model does before FSDP, for a framework that applies FSDP itself
+        (accelerate): cpctl's attention for a Hugging Face model, tiled MLPs, checkpointing."""
+        self._transform_blocks(model, None, checkpointing=self._adopt(model))
+        return model
+
+    def finish_model(self, model: nn.Module) -> nn.Module:
+        """What prepare_model does after FSDP: the offload of saved activations."""
+        if self.config.memory.offload_activations:
+            offload_saved_activations(model)
+        return model
+
+    def _adopt(self, model: nn.Module) -> bool:
+        """A Hugging Face model's attention through cpctl (under CP); whether it is to be checkpointed."""
+        checkpointing = self.config.fsdp.activation_checkpointing
+        if self.cp_size > 1 and huggingface.is_huggingface_model(model):
+            # Its own gradient checkpointing would recompute outside CP's routing: ours instead.
+            checkpointing = huggingface.prepare(model, self) or checkpointing
+        return checkpointing
+
+    def _transform_blocks(self, model: nn.Module, blocks: list[nn.Module] | None, *, checkpointing: bool) -> list[nn.Module]:
+        """Tiled MLPs and checkpointing per block; the blocks FSDP then shards (wrapped ones, if found here)."""
+        found = blocks if blocks is not None else find_blocks(model)
+        if self.config.memory.tiled_mlp_tokens:  # before checkpointing wraps the blocks
+            apply_tiled_mlp(found, tile_tokens=self.config.memory.tiled_mlp_tokens)
+        if checkpointing:
+            apply_activation_checkpointing(found, model, contexts=self._checkpoint_contexts)
+            found = find_blocks(model) if blocks is None else found
+        return found
 
     def _checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
         """Called at each checkpointed block call: the contexts around its forward and its recompute.

@@ -13,11 +13,18 @@ from rich.markup import escape
 from rich.table import Table
 
 from cpctl.config.layers import PROFILE_ENV_VAR
+from cpctl.accelerate_env import accelerate_env
 
 if TYPE_CHECKING:
     from cpctl.launcher import Plan
 
 MESH_HEAD_ROWS, MESH_TAIL_ROWS = 16, 4  # larger worlds print the first and last ranks only
+
+
+ENGINES = {
+    "cpctl": "cpctl's engine behind accelerate's maybe_context_parallel (cpu and cuda; windows, documents, checks)",
+    "native": "accelerate's own path, PyTorch's context_parallel, unchanged (cuda only)",
+}
 
 
 def _stdout() -> Console:
@@ -162,6 +169,20 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None) -> N
             "(by host name), not by --node-rank.[/]",
             soft_wrap=True,
         )
+
+    told = accelerate_env(profile)
+    if told:
+        engine = profile.parallelism.cp_engine
+        out.print()
+        out.print("[bold]What accelerate is told[/] (the variables `accelerate launch` would set; the script's "
+                  "Accelerator reads them):", soft_wrap=True)
+        variables = Table(show_edge=False)
+        variables.add_column("variable")
+        variables.add_column("value")
+        for name, value in told.items():
+            variables.add_row(name, value)
+        out.print(variables)
+        out.print(f"Attention under CP: [bold]{ENGINES[engine]}[/] (parallelism.cp_engine: {engine})", soft_wrap=True)
 
     out.print()
     out.print("[bold]Worker command[/] (what cpctl launch runs, as a shell line):")

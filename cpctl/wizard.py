@@ -166,6 +166,7 @@ def _ask_all(ask: _Asker) -> None:
     key reaches the wizard with its declaration alone.
     """
     answers, machine = ask.answers, ask.machine
+    ask.select("launch.script_api", default="cpctl")
     here = f"cuda here, {machine.cuda_devices} GPUs visible" if machine.cuda_devices else "cpu here, no GPU visible"
     ask.select("launch.device", default=AUTO, extra={AUTO: f"auto  cuda if a GPU is visible ({here})"})
 
@@ -204,12 +205,14 @@ def _ask_all(ask: _Asker) -> None:
     if answers["parallelism.cp_size"] > 1:  # meaningless without CP: not asked, not written
         ask.select("parallelism.cp_comm_strategy", default="allgather")
         ask.confirm("parallelism.cp_load_balance", default=True)
+        if answers["launch.script_api"] == "accelerate":
+            ask.select("parallelism.cp_engine", default="cpctl")
     ask.select("fsdp.mixed_precision", default=AUTO)
     ask.confirm("fsdp.activation_checkpointing", default=False)
     if answers["fsdp.activation_checkpointing"]:  # a level of nothing otherwise
         ask.select("memory.checkpoint_level", default="full")
     placed = set(answers) | {"launch.node_rank", "launch.rdzv_endpoint", "parallelism.cp_comm_strategy",
-                             "parallelism.cp_load_balance", "memory.checkpoint_level"}
+                             "parallelism.cp_load_balance", "memory.checkpoint_level", "parallelism.cp_engine"}
     for path, spec in KEYS.items():
         if spec.spec.prompt and path not in placed:
             ask.ask(path)

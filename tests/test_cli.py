@@ -122,7 +122,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--cp-load-balance", "--fsdp-version", "--reshard-after-forward", "--mixed-precision",
         "--activation-checkpointing", "--attention", "--device", "--nnodes", "--nproc-per-node",
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
-        "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload",
+        "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine",
     }
     own = {
         "launch": {"--module", "-m", "--config", "-c", "--profile", "-p", "--dry-run", "--help"},
@@ -351,7 +351,7 @@ def test_launch_hands_torchrun_its_own_parsed_args(script: Path, torchrun: Torch
     assert (args.training_script, args.training_script_args) == ("train.py", ["--lr", "1e-3", "-x"])
     sent = json.loads(environ[PROFILE_ENV_VAR])
     assert sent["parallelism"] | {} == {"dp_replicate_size": 1, "dp_shard_size": 1, "cp_size": 2, "tp_size": 1,
-                                        "cp_comm_strategy": "allgather", "cp_load_balance": True}
+                                        "cp_comm_strategy": "allgather", "cp_engine": "cpctl", "cp_load_balance": True}
     assert sent["launch"]["device"] == "cpu" and sent["fsdp"]["mixed_precision"] == "no"
     assert environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == "[rank${rank}]: "
     assert PROFILE_ENV_VAR not in os.environ  # set for the launch only

@@ -28,8 +28,9 @@ from test_profile import resolve_apart
 CPU = prof.Machine(cuda_devices=0)
 GPU8 = prof.Machine(cuda_devices=8)
 ENTER, DOWN, CLEAR, CTRL_C = "\r", "\x1b[B", "\x15", "\x03"
-# device, nnodes, nproc, cp, tp, dp_replicate, dp_shard, strategy, load balance, precision, checkpointing
-QUESTIONS = 11
+# script api, device, nnodes, nproc, cp, tp, dp_replicate, dp_shard, strategy, load balance, precision,
+# checkpointing
+QUESTIONS = 12
 # with cp_size 1, the default, strategy and load balance are not asked
 QUESTIONS_WITHOUT_CP = QUESTIONS - 2
 
@@ -79,7 +80,7 @@ def test_defaults_only_write_a_profile_that_resolves(tmp_path):
 
 def test_custom_answers_are_written(tmp_path):
     out = tmp_path / "p.yaml"
-    keys = (ENTER + ENTER + typed("4")          # device auto, 1 machine, 4 processes
+    keys = (ENTER + ENTER + ENTER + typed("4")  # a cpctl script, device auto, 1 machine, 4 processes
             + typed("2") + ENTER + ENTER        # cp 2, tp 1, dp_replicate 1
             + ENTER                             # dp_shard: the computed 4 / (1 * 2 * 1) = 2
             + DOWN + ENTER                      # alltoall
@@ -92,14 +93,28 @@ def test_custom_answers_are_written(tmp_path):
                                       "cp_comm_strategy": "alltoall", "cp_load_balance": False}
     assert written["fsdp"] == {"mixed_precision": "bf16", "activation_checkpointing": True}
     assert written["memory"] == {"checkpoint_level": "selective"}
-    assert written["launch"] == {"device": "auto", "nnodes": 1, "nproc_per_node": 4}
+    assert written["launch"] == {"device": "auto", "nnodes": 1, "nproc_per_node": 4, "script_api": "cpctl"}
     got = resolved(out)
     assert got.world_size == 4 and got.parallelism.dp_shard_size == 2
 
 
+def test_an_accelerate_script_is_asked_for_its_engine(tmp_path):
+    out = tmp_path / "p.yaml"
+    keys = (DOWN + ENTER + ENTER + ENTER + ENTER    # accelerate, device auto, 1 machine, 2 processes
+            + typed("2") + ENTER * 3                # cp 2, tp 1, dp_replicate 1, dp_shard 1
+            + ENTER + ENTER + ENTER                 # allgather, load balance, cpctl's engine
+            + ENTER + ENTER)                        # precision, no checkpointing
+    code, shown = drive(keys, output=out)
+    assert code == 0, shown
+    written = yaml.safe_load(out.read_text())
+    assert written["launch"]["script_api"] == "accelerate" and written["parallelism"]["cp_engine"] == "cpctl"
+    got = resolved(out)
+    assert (got.launch.script_api, got.parallelism.cp_engine, got.parallelism.cp_size) == ("accelerate", "cpctl", 2)
+
+
 def test_bad_answers_are_asked_again(tmp_path):
     out = tmp_path / "p.yaml"
-    keys = (ENTER + ENTER + typed("4")
+    keys = (ENTER + ENTER + ENTER + typed("4")
             + typed("3") + typed("0") + typed("two") + typed("2")   # cp 3 does not divide 4; 0, "two" are no sizes
             + ENTER + ENTER
             + typed("1") + typed("2")                               # dp_shard 1: 1 * 1 * 2 * 1 != 4
@@ -112,10 +127,10 @@ def test_bad_answers_are_asked_again(tmp_path):
 
 def test_several_machines_ask_node_rank_and_endpoint(tmp_path):
     out = tmp_path / "p.yaml"
-    keys = (ENTER + typed("2")
+    keys = (ENTER + ENTER + typed("2")
             + typed("2") + typed("1")                   # node_rank 2 of 2 machines, then 1
             + ENTER + typed("node0:29500")              # an endpoint is required
-            + ENTER + typed("2") + ENTER * (QUESTIONS - 3))  # 2 processes per machine, cp 2, the rest defaults
+            + ENTER + typed("2") + ENTER * (QUESTIONS - 4))  # 2 processes per machine, cp 2, the rest defaults
     code, _ = drive(keys, output=out)
     assert code == 0
     got = resolved(out)
@@ -249,7 +264,7 @@ def test_enter_through_a_real_terminal(tmp_path):
     out = tmp_path / "cpctl.yaml"
     pexpect, child = spawn_in_terminal(out)
     try:
-        for prompt, answer in (("Device", ENTER), ("Machines", ENTER), ("Processes per machine", ENTER),
+        for prompt, answer in (("The training script uses", ENTER), ("Device", ENTER), ("Machines", ENTER), ("Processes per machine", ENTER),
                                ("CP size", typed("2")), ("TP size", ENTER), ("DP replicate", ENTER), ("DP shard", ENTER),
                                ("CP comm strategy", ENTER), ("Load balance", ENTER), ("Mixed precision", ENTER),
                                ("Activation checkpointing", ENTER)):
@@ -312,7 +327,7 @@ def test_a_real_terminal_shows_why_an_answer_is_refused_and_ctrl_c_exits_130(tmp
     out = tmp_path / "cpctl.yaml"
     pexpect, child = spawn_in_terminal(out)
     try:
-        for prompt in ("Device", "Machines", "Processes per machine"):
+        for prompt in ("The training script uses", "Device", "Machines", "Processes per machine"):
             child.expect_exact(prompt)
             child.send(ENTER)
         child.expect_exact("CP size")

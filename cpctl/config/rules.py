@@ -193,6 +193,39 @@ def _level_needs_checkpoints(v: Mapping[str, Any], machine: Machine | None) -> s
     return None
 
 
+def _native_engine_is_accelerates(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    if v["parallelism.cp_engine"] != "native":
+        return None
+    if v["launch.script_api"] != "accelerate":
+        return ("parallelism.cp_engine: native is accelerate's own path; a cpctl script always runs on cpctl's engine: "
+                "remove cp_engine, or set launch.script_api: accelerate")
+    if v["launch.device"] == "cpu":
+        return "parallelism.cp_engine: native (PyTorch's context_parallel) needs CUDA; set cp_engine: cpctl to run on cpu"
+    cpctl_only = [f"{path}: {v[path]}" for path, off in CPCTL_MODEL_OPTIONS.items() if v[path] != off]
+    if cpctl_only:
+        return (f"{cpctl_only[0]} is applied by cpctl's engine, but with cp_engine: native accelerate runs the model "
+                "unchanged; remove it or set cp_engine: cpctl")
+    return None
+
+
+# What cpctl does to an accelerate script's model on its own engine (and the value that is off).
+CPCTL_MODEL_OPTIONS = {"memory.tiled_mlp_tokens": 0, "memory.offload_activations": False,
+                       "memory.checkpoint_level": "full"}
+
+
+def _accelerate_limits(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    """Layouts an accelerate script cannot have: refused here, before any worker starts."""
+    if v["launch.script_api"] != "accelerate":
+        return None
+    if v["parallelism.tp_size"] > 1:
+        return (f"tp_size {v['parallelism.tp_size']} with launch.script_api: accelerate: cpctl does not yet check "
+                "accelerate's tensor parallelism against its engine; set tp_size: 1")
+    if v["parallelism.cp_size"] > 1 and v["parallelism.dp_replicate_size"] > 1 and v["parallelism.dp_shard_size"] == 1:
+        return ("cp_size > 1 with dp_replicate_size > 1 and dp_shard_size 1: accelerate's ParallelismConfig refuses "
+                "this layout; use dp_shard_size instead of dp_replicate_size")
+    return None
+
+
 RULES = (
     Rule(("launch.device", "launch.nproc_per_node"), _nproc_counts_gpus),
     Rule(("launch.device", "launch.nproc_per_node"), _gpus_visible, needs_machine=True),
@@ -204,6 +237,9 @@ RULES = (
     Rule(("launch.device", "memory.offload_activations", "memory.cpu_offload"), _offload_needs_gpus),
     Rule(("memory.offload_activations", "fsdp.activation_checkpointing"), _offload_with_checkpoints),
     Rule(("memory.checkpoint_level", "fsdp.activation_checkpointing"), _level_needs_checkpoints),
+    Rule(("parallelism.cp_engine", "launch.script_api", "launch.device", *CPCTL_MODEL_OPTIONS), _native_engine_is_accelerates),
+    Rule(("launch.script_api", "parallelism.tp_size", "parallelism.cp_size", "parallelism.dp_replicate_size",
+          "parallelism.dp_shard_size"), _accelerate_limits),
 )
 
 

@@ -134,6 +134,13 @@ class Parallelism:
                                     "allgather": "allgather  gather all K/V once: fewest messages, more memory",
                                     "alltoall": "alltoall   ring rotation of K/V blocks: overlaps with compute, constant memory",
                                 })
+    cp_engine: str = key(one_of("cpctl", "native"), "cpctl", "what computes attention across the CP group in an "
+                         "accelerate script: cpctl's engine (cpu and cuda, windows, packed documents, checks), or "
+                         "native: PyTorch's context_parallel as accelerate runs it (cuda only)",
+                         prompt="Engine behind accelerate's maybe_context_parallel", choices={
+                             "cpctl": "cpctl   cpctl's engine: cpu and cuda, windows, packed documents, checks",
+                             "native": "native  accelerate's own path, PyTorch's context_parallel (cuda only)",
+                         })
     cp_load_balance: bool = key(SWITCH, True, "head-tail sharding so causal work is even per rank",
                                 prompt="Load balance: head-tail sharding so causal attention work is even per rank?")
 
@@ -189,6 +196,11 @@ class Launch:
     max_restarts: int = key(integer(minimum=0), 0, "times the elastic agent restarts failed workers")
     comm_timeout: int = key(integer(minimum=1), 1800, "seconds a collective waits for its peers before the job "
                             "fails and names the rank that stopped answering (every process group)")
+    script_api: str = key(one_of("cpctl", "accelerate"), "cpctl", "what the script is written with: cpctl's runtime "
+                          "(import cpctl), or accelerate (an Accelerator, or a transformers Trainer), which cpctl "
+                          "launch then configures as `accelerate launch` would", prompt="The training script uses",
+                          choices={"cpctl": "cpctl       cpctl's runtime: rt = cpctl.init()",
+                                   "accelerate": "accelerate  accelerate's Accelerator, or a transformers Trainer"})
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,71 @@
+"""Everything `cpctl plan` prints, in one Plan: the estimate, the advice, and the longest sequence
+that fits on each GPU count."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from cpctl.planner.advice import Suggestion, suggestions
+from cpctl.planner.fit import (
+    ALLOCATOR_HEADROOM,
+    CUDA_OVERHEAD_GIB,
+    DEFAULT_GPU_MEMORY_GIB,
+    Estimate,
+    estimate,
+    gpus_needed,
+    longest_fitting,
+)
+from cpctl.planner.setup import Setup
+from cpctl.planner.shapes import ModelShape
+
+GPU_COUNTS = (1, 2, 4, 8, 16, 32)  # the rows of "longest sequence that fits"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything `cpctl plan` prints."""
+
+    model: ModelShape
+    estimate: Estimate
+    suggestions: list[Suggestion]
+    longest: list[tuple[int, int, int | None]]  # (GPUs, longest with these options, longest with all options or None)
+    needed: Estimate | None  # the fewest GPUs (all CP) for the sequence, with these options
+    needed_all: Estimate | None  # ... with all_options on
+    all_options: dict[str, Any]  # the free memory options that are off: checkpointing, chunked loss, resharding
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.to_dict(),
+            "estimate": self.estimate.to_dict(),
+            "suggestions": [s.to_dict() for s in self.suggestions],
+            "longest": [{"gpus": g, "cp": g, "seq_len": n, "seq_len_all_options": a} for g, n, a in self.longest],
+            "gpus_needed": None if self.needed is None else self.needed.setup.gpus,
+            "gpus_needed_all_options": None if self.needed_all is None else self.needed_all.setup.gpus,
+            "all_options": self.all_options,
+            "calibration": {"cuda_overhead_gib": CUDA_OVERHEAD_GIB, "allocator_headroom": ALLOCATOR_HEADROOM},
+        }
+
+
+def all_free_options(setup: Setup) -> dict[str, Any]:
+    """The memory options that cost little speed: checkpointing, a chunked loss, resharding."""
+    return {name: True for name in ("activation_checkpointing", "chunked_loss", "reshard_after_forward")
+            if not getattr(setup, name)}
+
+
+def make_plan(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
+              available: frozenset[str] = frozenset()) -> Plan:
+    base = estimate(model, setup, seq_len, gpu_memory_gib=gpu_memory_gib)
+    free = all_free_options(setup)
+    better = dataclasses.replace(setup, **free)
+    longest = [(gpus, longest_fitting(model, setup.with_cp(gpus), gpu_memory_gib=gpu_memory_gib),
+                longest_fitting(model, better.with_cp(gpus), gpu_memory_gib=gpu_memory_gib) if free else None)
+               for gpus in GPU_COUNTS]
+    return Plan(
+        model=model, estimate=base,
+        suggestions=[] if base.fits else suggestions(base, available=available),
+        longest=longest, needed=gpus_needed(model, setup, seq_len, gpu_memory_gib=gpu_memory_gib),
+        needed_all=gpus_needed(model, better, seq_len, gpu_memory_gib=gpu_memory_gib) if free else None,
+        all_options=free,
+    )

@@ -1,0 +1,122 @@
+"""What a plan is for (Setup): the layout and memory options of a resolved profile, and the profile
+`cpctl plan` resolves from its flags."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cpctl.errors import CpctlError
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a plan is for: the layout and the memory options of a resolved profile."""
+
+    gpus: int = 1
+    cp: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    strategy: str = "allgather"
+    precision: str = "bf16"  # bf16 | fp16 | no
+    activation_checkpointing: bool = True
+    checkpoint_level: str = "full"  # selective: attention's saved tensors are kept, not recomputed
+    reshard_after_forward: bool = True
+    chunked_loss: bool = False
+    loss_chunk_tokens: int = 4096
+    tiled_mlp_tokens: int = 0
+    offload_activations: bool = False
+    cpu_offload: bool = False
+    batch: int = 1  # sequences per CP group in one step
+    logits_kept: bool = True  # the loop holds the logits until backward ends (not with model(labels=...).loss)
+    first_step: bool = False  # AdamW's state does not exist until the first optimizer step
+
+    @classmethod
+    def from_profile(cls, profile: Any, *, chunked_loss: bool = False, batch: int = 1) -> Setup:
+        memory = profile.memory
+        return cls(
+            gpus=profile.world_size, cp=profile.parallelism.cp_size, dp_shard=profile.parallelism.dp_shard_size,
+            tp=profile.parallelism.tp_size, strategy=profile.parallelism.cp_comm_strategy,
+            precision=profile.fsdp.mixed_precision, activation_checkpointing=profile.fsdp.activation_checkpointing,
+            reshard_after_forward=profile.fsdp.reshard_after_forward, chunked_loss=chunked_loss,
+            checkpoint_level=getattr(memory, "checkpoint_level", "full"),
+            loss_chunk_tokens=memory.loss_chunk_tokens, tiled_mlp_tokens=getattr(memory, "tiled_mlp_tokens", 0),
+            offload_activations=getattr(memory, "offload_activations", False),
+            cpu_offload=getattr(memory, "cpu_offload", False), batch=batch,
+        )
+
+    def with_cp(self, gpus: int) -> Setup:
+        """All `gpus` on CP: one FSDP shard per CP rank, no TP or replicas."""
+        return dataclasses.replace(self, gpus=gpus, cp=gpus, dp_shard=1, tp=1)
+
+    def describe(self) -> str:
+        options = [f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}: cp {self.cp} x dp_shard {self.dp_shard}"
+                   + (f" x tp {self.tp}" if self.tp > 1 else "")
+                   + (f" x dp_replicate {self.gpus // (self.cp * self.dp_shard * self.tp)}"
+                      if self.gpus > self.cp * self.dp_shard * self.tp else ""),
+                   self.strategy if self.cp > 1 else "no CP",
+                   {"no": "fp32"}.get(self.precision, self.precision),
+                   f"activation checkpointing {'off' if not self.activation_checkpointing else 'on' if self.checkpoint_level == 'full' else self.checkpoint_level}",
+                   f"loss chunked ({self.loss_chunk_tokens} tokens)" if self.chunked_loss else "full logits in the loss"]
+        if not self.reshard_after_forward:
+            options.append("blocks stay gathered after forward")
+        if self.tiled_mlp_tokens:
+            options.append(f"MLP in tiles of {self.tiled_mlp_tokens} tokens")
+        if self.offload_activations:
+            options.append("activations offloaded")
+        if self.cpu_offload:
+            options.append("parameters and optimizer on CPU")
+        return ", ".join(options)
+
+
+MEMORY_OPTIONS = ("checkpoint_level", "tiled_mlp_tokens", "offload_activations", "cpu_offload")  # read where the profile has them
+
+
+def available_options() -> frozenset[str]:
+    """The memory options of the profile schema beyond loss chunking that this cpctl knows."""
+    from cpctl.config import KEYS
+
+    return frozenset(name for name in MEMORY_OPTIONS if f"memory.{name}" in KEYS)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    setup: Setup
+    target: str  # the machine the profile was resolved for, in words
+    note: str | None  # what --gpus changed
+
+
+def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None, profile_name: str | None = None,
+                  gpus: int | None = None, chunked_loss: bool = False, logits_kept: bool = True, batch: int = 1,
+                  environ: Mapping[str, str] | None = None, cwd: str | Path | None = None) -> Resolved:
+    """The profile `cpctl check --static` would validate (a cuda profile as on its own node, so a
+    GPU plan works on a laptop); `device: auto` is taken as cuda. `--gpus N` makes the world N
+    GPUs, all of them CP unless --cp-size is given (dp_replicate and tp as the profile says)."""
+    from cpctl.config import AUTO, merge_layers, preview
+
+    values, _, _ = merge_layers(flags=flags, config=config, profile_name=profile_name, environ=environ, cwd=cwd)
+    device = values.get("launch.device", AUTO)
+    if device == "cpu":
+        raise CpctlError("the profile runs on cpu; cpctl plan estimates GPU memory: pass --device cuda")
+    extra = {"launch.device": "cuda"} if device == AUTO else {}
+    note = None
+    if gpus is not None:
+        nnodes = values.get("launch.nnodes", 1)
+        if gpus % nnodes:
+            raise CpctlError(f"--gpus {gpus} is not a multiple of nnodes {nnodes}")
+        extra["launch.nproc_per_node"] = str(gpus // nnodes)
+        if "parallelism.cp_size" not in flags:
+            others = values.get("parallelism.tp_size", 1) * values.get("parallelism.dp_replicate_size", 1)
+            if gpus % others:
+                raise CpctlError(f"--gpus {gpus} is not a multiple of tp x dp_replicate = {others}")
+            extra["parallelism.cp_size"] = str(gpus // others)
+            note = f"--gpus {gpus}: cp {gpus // others}"
+        if "parallelism.dp_shard_size" not in flags:
+            extra["parallelism.dp_shard_size"] = AUTO
+    shown = preview(flags={**flags, **extra}, config=config, profile_name=profile_name, environ=environ, cwd=cwd)
+    setup = dataclasses.replace(Setup.from_profile(shown.resolved.profile, chunked_loss=chunked_loss, batch=batch),
+                                logits_kept=logits_kept)
+    return Resolved(setup, shown.target, note)

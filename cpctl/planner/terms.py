@@ -1,0 +1,244 @@
+"""The terms of the memory per GPU: one function each, in bytes at each moment of a step where the
+peak can fall (the package's docstring says which moments, and what the terms model)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from cpctl.planner.setup import Setup
+from cpctl.planner.shapes import ModelShape
+
+FP32 = 4  # bytes
+MOMENTS = ("loss", "mlp_backward", "attention_backward", "last_block_backward", "optimizer_step")
+BLOCK_MOMENTS = ("mlp_backward", "attention_backward", "last_block_backward")
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """The numbers every term needs: tokens on this GPU, shards, element sizes."""
+
+    model: ModelShape
+    setup: Setup
+    seq_len: int
+
+    @property
+    def local_tokens(self) -> int:  # L: this GPU's share of its CP group's tokens
+        return self.setup.batch * self.seq_len // self.setup.cp
+
+    @property
+    def group_tokens(self) -> int:  # S: the tokens of the sequences one CP group holds
+        return self.setup.batch * self.seq_len
+
+    @property
+    def act(self) -> int:  # bytes of an activation (and of a gathered parameter)
+        return FP32 if self.setup.precision == "no" else 2
+
+    @property
+    def dtype(self) -> str:
+        return "fp32" if self.act == FP32 else "bf16"
+
+    @property
+    def shards(self) -> int:  # FSDP shards the fp32 parameters, gradients and optimizer state over dp_shard x cp
+        return self.setup.dp_shard * self.setup.cp
+
+    @property
+    def params_per_gpu(self) -> float:  # TP splits the blocks; FSDP shards everything
+        model = self.model
+        return (model.n_layers * model.block_params / self.setup.tp + model.root_params) / self.shards
+
+    @property
+    def block_params_per_gpu(self) -> float:  # one block, gathered
+        return self.model.block_params / self.setup.tp
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    at: dict[str, float]  # bytes at each moment
+    how: str
+
+
+def _at(loss: float = 0, mlp: float | None = None, attention: float | None = None, step: float | None = None,
+        last: float | None = None) -> dict[str, float]:
+    """Bytes at the moments; each backward moment defaults to the one before it, the step to 0."""
+    mlp = loss if mlp is None else mlp
+    attention = mlp if attention is None else attention
+    return {"loss": loss, "mlp_backward": mlp, "attention_backward": attention,
+            "last_block_backward": attention if last is None else last, "optimizer_step": 0 if step is None else step}
+
+
+def parameters(z: Sizes) -> Term:
+    """fp32 master weights, sharded by FSDP."""
+    if z.setup.cpu_offload:
+        return Term("parameters", _at(0), "fp32, on CPU (cpu_offload)")
+    held = FP32 * z.params_per_gpu
+    return Term("parameters", _at(held, step=held), f"fp32, sharded over {z.shards} (dp_shard x cp)")
+
+
+def gathered_parameters(z: Sizes) -> Term:
+    """Mixed-precision copies FSDP all-gathers: the root (embeddings, head) for the whole step,
+    a block while it runs and the next one prefetched; all blocks if they are not resharded."""
+    model, root = z.model, z.act * z.model.root_params
+    block = z.act * z.block_params_per_gpu
+    if not z.setup.reshard_after_forward:
+        every = model.n_layers * block
+        return Term("parameters, gathered", _at(root + every), f"{z.dtype} embeddings + head + every block")
+    return Term("parameters, gathered", _at(root, mlp=root + 2 * block),
+                f"{z.dtype} embeddings + head; 2 blocks in backward")
+
+
+def gradients(z: Sizes) -> Term:
+    """None at the loss (zero_grad(set_to_none=True)); in a block's backward the head's gradient
+    (kept gathered until backward ends), the block's own and its fp32 reduce-scatter input,
+    and in the last block the fp32 sharded gradients of all the others; all of them at the step."""
+    head = z.act * z.model.vocab_size * z.model.dim
+    block = z.act * z.block_params_per_gpu + (FP32 * z.block_params_per_gpu if z.act != FP32 else 0)
+    done = 0 if z.setup.cpu_offload else (z.model.n_layers - 1) * FP32 * z.block_params_per_gpu / z.shards
+    sharded = 0 if z.setup.cpu_offload else FP32 * z.params_per_gpu
+    return Term("gradients", _at(0, mlp=head + block, last=head + block + done, step=sharded),
+                "head's + a block's in backward, + the other blocks' fp32 shards at the last; all at the step")
+
+
+def optimizer_state(z: Sizes) -> Term:
+    """AdamW: two fp32 states per parameter, sharded; its foreach step adds one more fp32 temporary."""
+    if z.setup.cpu_offload:
+        return Term("optimizer state", _at(0), "AdamW, on CPU (cpu_offload)")
+    state = 2 * FP32 * z.params_per_gpu
+    return Term("optimizer state", _at(0 if z.setup.first_step else state, step=state + FP32 * z.params_per_gpu),
+                "AdamW, 2 fp32 states; +1 temporary at the step")
+
+
+def _norm_saved(z: Sizes) -> float:
+    """Per token, what an RMSNorm keeps for backward: its fp32 input, the normalized value, its output."""
+    return FP32 * z.model.dim + 2 * z.act * z.model.dim
+
+
+def attention_saved_per_token(z: Sizes) -> float:
+    """Per token, what the attention half of a block keeps for backward: its norm, q/k/v after
+    rotary, the output, and the fp32 log-sum-exp per head (TP splits the heads)."""
+    model, tp = z.model, z.setup.tp
+    return _norm_saved(z) + z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.n_heads / tp
+
+
+def mlp_saved_per_token(z: Sizes) -> float:
+    """Per token, what the MLP half keeps: its norm and gate, up, silu(gate), silu(gate) * up."""
+    return _norm_saved(z) + 4 * z.act * z.model.ffn_dim / z.setup.tp * _mlp_tile_share(z)
+
+
+def selective_kept_per_token(z: Sizes) -> float:
+    """Per token, what the selective level keeps of a block beyond its input: attention's saved
+    tensors (q, k, v, out, log-sum-exp); its norm is recomputed."""
+    selective = z.setup.activation_checkpointing and z.setup.checkpoint_level == "selective"
+    return attention_saved_per_token(z) - _norm_saved(z) if selective else 0.0
+
+
+def block_saved_per_token(z: Sizes) -> float:
+    return attention_saved_per_token(z) + mlp_saved_per_token(z)
+
+
+def _mlp_tile_share(z: Sizes) -> float:
+    """The share of the local tokens whose MLP intermediates exist at once (tiled MLP: one tile)."""
+    tile = z.setup.tiled_mlp_tokens
+    return min(tile, z.local_tokens) / z.local_tokens if tile and z.local_tokens else 1.0
+
+
+def activations(z: Sizes) -> Term:
+    """With checkpointing: each block's input (the residual stream), bf16; the final norm's and
+    head's inputs until the loss's backward. Without: every block's saved activations."""
+    model, tokens = z.model, z.local_tokens
+    if z.setup.activation_checkpointing:
+        per_layer = z.act * model.dim + selective_kept_per_token(z)
+    else:
+        per_layer = block_saved_per_token(z)
+    layers_held = min(model.n_layers, 2) if z.setup.offload_activations else model.n_layers
+    blocks = layers_held * per_layer * tokens
+    last_block = per_layer * tokens  # the first layer's own, all that is left
+    head_inputs = 0 if z.setup.offload_activations else _norm_saved(z) * tokens
+    if z.setup.activation_checkpointing:
+        how = f"{model.n_layers} block inputs, {z.dtype}; the head's inputs"
+        if z.setup.checkpoint_level == "selective":
+            how = f"{model.n_layers} block inputs and attention's q, k, v, out (selective); the head's inputs"
+    else:
+        how = f"all {model.n_layers} blocks' activations (no checkpointing)"
+    if z.setup.offload_activations:
+        how = f"in pinned CPU memory (offload_activations); {layers_held} layers' worth back at a time"
+    return Term("activations for backward", _at(blocks + head_inputs, mlp=blocks, last=last_block), how)
+
+
+def attention_working_set(z: Sizes) -> Term:
+    """In the first block's backward: its recomputed attention tensors (with checkpointing);
+    in attention's own backward also dout, dq, dk, dv, an fp32 dq accumulator and the residual
+    gradient, plus the K/V that CP moves: the whole sequence's K/V and a gradient buffer of
+    that size (allgather), or two K/V blocks and their gradients in flight (alltoall)."""
+    model, tp, tokens = z.model, z.setup.tp, z.local_tokens
+    # The selective level recomputes the norm only: attention's own tensors are in `activations`.
+    recomputed = (attention_saved_per_token(z) - selective_kept_per_token(z)) * tokens if z.setup.activation_checkpointing else 0
+    grads = (z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.q_dim / tp + z.act * model.dim) * tokens
+    # then the block's input norm differentiates in fp32: about 4 tensors of model width
+    norm_backward = 4 * FP32 * model.dim * tokens
+    kv_per_token = 2 * z.act * model.kv_dim / tp  # K and V
+    if z.setup.cp == 1:
+        moved, how = 0, "q, k, v, out, their gradients"
+    elif z.setup.strategy == "allgather":
+        moved = 2 * kv_per_token * z.group_tokens
+        how = "q, k, v, out, gradients; the whole sequence's K/V + its gradient"
+    else:
+        moved = 4 * kv_per_token * tokens
+        how = "q, k, v, out, gradients; 2 K/V blocks + 2 gradient blocks"
+    return Term("attention working set", _at(0, mlp=recomputed, attention=recomputed + grads + moved + norm_backward),
+                how + "; the norm's fp32 backward")
+
+
+def mlp_working_set(z: Sizes) -> Term:
+    """In the MLP's backward: its recomputed tensors (with checkpointing), two more of
+    intermediate size (the gradients of silu(gate) and up beside that of the product), and
+    the gradient of the block's output. Freed before attention's backward."""
+    model, tokens = z.model, z.local_tokens
+    recomputed = mlp_saved_per_token(z) * tokens if z.setup.activation_checkpointing else 0
+    transient = (2 * z.act * model.ffn_dim / z.setup.tp * _mlp_tile_share(z) + z.act * model.dim) * tokens
+    tiles = f", tiles of {z.setup.tiled_mlp_tokens} tokens" if z.setup.tiled_mlp_tokens else ""
+    return Term("MLP working set", _at(0, mlp=recomputed + transient, attention=0),
+                f"{'6' if z.setup.activation_checkpointing else '2'} tensors of intermediate size{tiles}")
+
+
+def loss(z: Sizes) -> Term:
+    """Full logits: the logits (bf16, held by the loop until backward ends), their fp32
+    log-softmax, its gradient and the fp32 logits' gradient: local tokens x vocab x (2+4+4+4).
+    Chunked: the same for one chunk, plus the head's fp32 gradient and the hidden states' gradient."""
+    model, tokens = z.model, z.local_tokens
+    if not z.setup.chunked_loss:
+        logits = z.act * model.vocab_size * tokens
+        if not z.setup.logits_kept:  # model(labels=...).loss: the output, logits and all, is dropped
+            return Term("loss", _at(3 * FP32 * model.vocab_size * tokens, mlp=0), "logits x (4+4+4) B")
+        at_loss = logits + 3 * FP32 * model.vocab_size * tokens
+        return Term("loss", _at(at_loss, mlp=logits),
+                    f"logits x ({z.act}+4+4+4) B; the {z.dtype} logits stay until backward ends")
+    chunk = min(z.setup.loss_chunk_tokens, tokens)
+    at_loss = 4 * FP32 * model.vocab_size * chunk + FP32 * model.vocab_size * model.dim + z.act * model.dim * tokens
+    return Term("loss", _at(at_loss, mlp=0),
+                f"chunks of {chunk} tokens x vocab x 16 B; head's fp32 gradient")
+
+
+def _pinned_block(size: float) -> float:
+    """PyTorch's pinned host allocator rounds each block up to a power of two."""
+    return float(2 ** math.ceil(math.log2(size))) if size > 0 else 0.0
+
+
+def host_memory(z: Sizes) -> float:
+    """Pinned host memory: each offloaded block's saved tensors (the block input, and what the
+    selective level keeps), and with cpu_offload the sharded parameters, gradients and AdamW state."""
+    host = 0.0
+    if z.setup.offload_activations and z.setup.activation_checkpointing:
+        per_layer = z.act * z.model.dim + selective_kept_per_token(z)
+        host += z.model.n_layers * _pinned_block(per_layer * z.local_tokens)
+    if z.setup.cpu_offload:
+        host += 4 * FP32 * z.params_per_gpu
+    return host
+
+
+TERMS: tuple[Callable[[Sizes], Term], ...] = (
+    parameters, gathered_parameters, gradients, optimizer_state, activations, attention_working_set,
+    mlp_working_set, loss,
+)

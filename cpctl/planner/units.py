@@ -1,0 +1,44 @@
+"""Sizes and lengths as `cpctl plan` reads and prints them: GiB, token counts (4096, 128k, 1M),
+numbers given on the command line."""
+
+from __future__ import annotations
+
+import math
+import re
+
+from cpctl.errors import CpctlError
+
+GiB = 2**30
+
+_LENGTH = re.compile(r"(\d+(?:\.\d+)?)([kKmM]?)")
+
+
+def parse_tokens(text: str, *, what: str = "--seq-len") -> int:
+    """4096, 128k (x 1024), 1M or 1.5M (x 1024**2)."""
+    match = _LENGTH.fullmatch(str(text).strip().replace("_", "").replace(",", ""))
+    if match is None:
+        raise CpctlError(f"{what} {text}: not a length; write tokens as e.g. 4096, 128k or 1M")
+    number, suffix = match.groups()
+    scale = {"": 1, "k": 1024, "m": 1024**2}[suffix.lower()]
+    tokens = float(number) * scale
+    if tokens != int(tokens) or tokens < 1:
+        raise CpctlError(f"{what} {text}: must be a whole number of tokens, at least 1")
+    return int(tokens)
+
+
+def format_tokens(tokens: int) -> str:
+    if tokens % 1024**2 == 0:
+        return f"{tokens // 1024**2}M"
+    if tokens % 1024 == 0:
+        return f"{tokens // 1024}k"
+    return f"{tokens:,}"
+
+
+def parse_number(text: str, *, what: str, integer: bool = False, minimum: float = 1) -> float:
+    try:
+        value = int(text) if integer else float(text)
+    except (TypeError, ValueError):
+        raise CpctlError(f"{what} {text}: not {'an integer' if integer else 'a number'}") from None
+    if not value >= minimum or math.isinf(value):
+        raise CpctlError(f"{what} {text}: must be at least {minimum:g}")
+    return value

@@ -1,0 +1,76 @@
+"""A training script written for accelerate's context parallelism, as its guide writes one.
+
+Nothing here knows cpctl: an `Accelerator()` that reads its parallel sizes from the environment
+(what `accelerate launch` sets, and what `cpctl launch --script-api accelerate` sets), FSDP2 through
+`accelerator.prepare`, labels shifted by the script itself (`shift_labels`), and every step inside
+`accelerator.maybe_context_parallel`. A tiny random Llama and random tokens: nothing is downloaded.
+
+    python scripts/accelerate_cp.py                                   # one process, the reference
+    cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 --script-api accelerate \\
+        scripts/accelerate_cp.py                                      # cp 2, cpctl's engine, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ParallelismConfig
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--losses-out", default=None, help="write the per-step losses here as JSON")
+    return p.parse_args()
+
+
+def batches(vocab_size: int, *, steps: int, batch: int, seq_len: int) -> list[dict[str, torch.Tensor]]:
+    """Random token batches with labels and the shifted labels the guide asks the script to make."""
+    generator = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(vocab_size, (batch, seq_len), generator=generator)
+        shift_labels = torch.cat([ids[:, 1:], torch.full((batch, 1), -100)], dim=1)
+        out.append({"input_ids": ids, "labels": ids.clone(), "shift_labels": shift_labels})
+    return out
+
+
+def main() -> None:
+    args = parse_args()
+    # ParallelismConfig() reads PARALLELISM_CONFIG_*; without them (plain python) it is one process.
+    accelerator = Accelerator(parallelism_config=ParallelismConfig())
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         attn_implementation="sdpa", use_cache=False)
+    model = LlamaForCausalLM(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
+    model, optimizer = accelerator.prepare(model, optimizer)
+
+    losses = []
+    for batch in batches(config.vocab_size, steps=args.steps, batch=args.batch, seq_len=args.seq_len):
+        batch = {name: tensor.to(accelerator.device) for name, tensor in batch.items()}
+        buffers = [batch["input_ids"], batch["labels"], batch["shift_labels"]]
+        with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1],
+                                                no_restore_buffers=set(buffers)):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
+        accelerator.print(f"step {len(losses) - 1}  loss {losses[-1]:.6f}")
+    if accelerator.is_main_process and args.losses_out:
+        with open(args.losses_out, "w") as f:
+            json.dump({"losses": losses, "world": accelerator.num_processes}, f)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
