@@ -18,7 +18,7 @@ import json
 import torch
 from accelerate import Accelerator
 from accelerate.utils import ParallelismConfig
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 
 def parse_args():
@@ -26,17 +26,22 @@ def parse_args():
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--sliding-window", type=int, default=None,
+                   help="a Mistral with this sliding window instead of the Llama (accelerate's own path refuses it)")
     p.add_argument("--losses-out", default=None, help="write the per-step losses here as JSON")
     return p.parse_args()
 
 
 def batches(vocab_size: int, *, steps: int, batch: int, seq_len: int) -> list[dict[str, torch.Tensor]]:
-    """Random token batches with labels and the shifted labels the guide asks the script to make."""
+    """Token batches with a learnable rule (each row counts up by its own stride), with labels and
+    the shifted labels the guide asks the script to make."""
     generator = torch.Generator().manual_seed(1)
     out = []
     for _ in range(steps):
-        ids = torch.randint(vocab_size, (batch, seq_len), generator=generator)
+        start = torch.randint(vocab_size, (batch, 1), generator=generator)
+        stride = torch.randint(1, 4, (batch, 1), generator=generator)
+        ids = (start + stride * torch.arange(seq_len)) % vocab_size
         shift_labels = torch.cat([ids[:, 1:], torch.full((batch, 1), -100)], dim=1)
         out.append({"input_ids": ids, "labels": ids.clone(), "shift_labels": shift_labels})
     return out
@@ -50,7 +55,9 @@ def main() -> None:
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                          attn_implementation="sdpa", use_cache=False)
-    model = LlamaForCausalLM(config)
+    if args.sliding_window:
+        config = MistralConfig(**{**config.to_dict(), "model_type": "mistral", "sliding_window": args.sliding_window})
+    model = (MistralForCausalLM if args.sliding_window else LlamaForCausalLM)(config)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     model, optimizer = accelerator.prepare(model, optimizer)
 

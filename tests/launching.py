@@ -16,7 +16,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 TIMEOUT = 120
 # Variables that would change what a profile resolves to, or how torchrun behaves.
-AMBIENT_PREFIXES = ("CPCTL_", "SLURM_", "PET_", "TORCHELASTIC_")
+AMBIENT_PREFIXES = ("CPCTL_", "SLURM_", "PET_", "TORCHELASTIC_", "ACCELERATE_", "PARALLELISM_CONFIG_", "FSDP_")
 
 T = TypeVar("T")
 

@@ -1,0 +1,106 @@
+"""Scripts written for accelerate run unmodified under `cpctl launch --script-api accelerate`.
+
+scripts/accelerate_cp.py is the loop of accelerate's context-parallelism guide (an Accelerator
+that reads its sizes from the environment, FSDP2 through `prepare`, the script's own
+`shift_labels`, each step inside `accelerator.maybe_context_parallel`). Launched with cp 2 on
+cpctl's engine (CPU, gloo) its per-step losses must be the one-process losses; a run with lr 0
+shows those losses move far more than the tolerance, so a wrong gradient could not match.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launching import REPO, cpctl, finish, launch_env, launch_once
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+SCRIPT = REPO / "scripts" / "accelerate_cp.py"
+ARGS = ("--steps", "4", "--seq-len", "64", "--batch", "2")
+TOLERANCE = 1e-4
+CP2 = ("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api", "accelerate")
+
+LAYOUTS = {
+    "cp2": (CP2, ()),
+    # cpctl's checkpointing at the selective level, under accelerate's prepare; the other strategy
+    "cp2-alltoall-checkpointing": ((*CP2, "--cp-comm-strategy", "alltoall", "--activation-checkpointing", "true",
+                                    "--checkpoint-level", "selective"), ()),
+    # a sliding window (24 tokens, shards of 32): accelerate's own path refuses such a model
+    "cp2-window": (CP2, ("--sliding-window", "24")),
+}
+
+
+def plain_run(tmp: Path, *extra: str) -> list[float]:
+    out = tmp / "losses.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), *ARGS, *extra, "--losses-out", str(out)], cwd=tmp,
+                          env=launch_env(tmp), check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())["losses"]
+
+
+def launch_layout(tmp: Path, layout: str) -> dict:
+    flags, script_args = LAYOUTS[layout]
+    out = tmp / "losses.json"
+    code, stdout, stderr = finish(cpctl(*flags, str(SCRIPT), *ARGS, *script_args, "--losses-out", str(out),
+                                        tmp_path=tmp))
+    if code != 0 or not out.exists():
+        pytest.fail(f"cpctl launch {layout} exited {code}:\n{stdout}\n{stderr}")
+    return {"run": json.loads(out.read_text()), "reference": plain_run(tmp, *script_args), "stderr": stderr}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory):
+    return launch_once(tmp_path_factory, "accelerate", launch_layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_guide_loop_under_cp_gives_the_one_process_losses(launched, layout: str) -> None:
+    result = launched(layout)
+    run, reference = result["run"], result["reference"]
+    assert run["world"] == 2 and len(run["losses"]) == len(reference) == 4
+    for step, (got, want) in enumerate(zip(run["losses"], reference)):
+        assert abs(got - want) <= TOLERANCE, f"step {step}: {got} vs {want} (all: {run['losses']})"
+
+
+def test_the_reference_trains(launched, tmp_path: Path) -> None:
+    trained, frozen = launched("cp2")["reference"], plain_run(tmp_path, "--lr", "0")
+    assert trained[0] == frozen[0]
+    assert all(abs(a - b) > 100 * TOLERANCE for a, b in zip(trained[1:], frozen[1:]))
+
+
+def test_the_dry_run_shows_what_accelerate_is_told(tmp_path: Path) -> None:
+    code, out, err = finish(cpctl(*CP2, "--dry-run", str(SCRIPT), tmp_path=tmp_path))
+    assert code == 0, out + err
+    assert "What accelerate is told" in out
+    for line in ("PARALLELISM_CONFIG_CP_SIZE", "FSDP_VERSION", "ACCELERATE_USE_PARALLELISM_CONFIG"):
+        assert line in out
+    assert "cpctl's engine behind accelerate's maybe_context_parallel" in out
+    assert "--module cpctl.accelerate_shim" in out
+
+
+def test_sizes_set_twice_must_agree(tmp_path: Path) -> None:
+    script = tmp_path / "own_sizes.py"
+    script.write_text("from accelerate import Accelerator\nfrom accelerate.utils import ParallelismConfig\n"
+                      "Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=1))\n")
+    code, out, err = finish(cpctl(*CP2, str(script), tmp_path=tmp_path))
+    assert code == 1
+    assert "the script's ParallelismConfig sets dp_shard_size 2 (profile: 1), cp_size 1 (profile: 2)" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("flags", "fragment"), [
+    (("--cp-engine", "native"), "needs CUDA; set cp_engine: cpctl to run on cpu"),
+    (("--cp-engine", "native", "--device", "cuda", "--nproc-per-node", "2", "--script-api", "cpctl"),
+     "a cpctl script always runs on cpctl's engine"),
+    (("--nproc-per-node", "4", "--tp-size", "2"), "tp_size 2 with launch.script_api: accelerate"),
+    (("--nproc-per-node", "4", "--dp-replicate-size", "2"), "accelerate's ParallelismConfig refuses this layout"),
+])
+def test_what_accelerate_cannot_run_is_one_line_before_any_worker(tmp_path: Path, flags, fragment) -> None:
+    code, out, err = finish(cpctl(*CP2, *flags, "--dry-run", str(SCRIPT), tmp_path=tmp_path))
+    assert code == 2, out + err
+    assert fragment in err and len(err.strip().splitlines()) == 1, err
