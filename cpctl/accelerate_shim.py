@@ -11,7 +11,9 @@ methods get a cpctl step in front of accelerate's own (or in place of it), only 
   checkpointing whose recompute attends across the CP group), then accelerate's own `prepare`
   (FSDP2, optimizer, data loader), without accelerate's CP hooks on the attention modules;
 * `maybe_context_parallel`, on cpctl's engine: `rt.maybe_context_parallel` with the same
-  buffers, so the step runs on cpctl's engine (on CPU with gloo too) with its checks.
+  buffers, so the step runs on cpctl's engine (on CPU with gloo too) with its checks. The
+  transformers Trainer reaches it the same way (its "is the attention sdpa" check is skipped:
+  the model attends through cpctl's implementation).
 
 With `parallelism.cp_engine: native` only the first applies and accelerate's path runs unchanged.
 Then the script runs as `python SCRIPT ARGS` (or `python -m MODULE ARGS`) would run it.
@@ -94,6 +96,7 @@ def install(profile: config.Profile, runtime: Any | None) -> None:
                                               no_restore_buffers=no_restore_buffers or ())
 
     Accelerator.prepare = cpctl_prepare
+    _trainer_takes_cpctl_attention()
     for state in (PartialState, AcceleratorState):
         state.destroy_process_group = _closing(state.destroy_process_group)
     if profile.launch.device == "cpu":
@@ -123,6 +126,29 @@ def _allow_cpu(profile: config.Profile) -> None:
         return None
 
     ParallelismConfig._validate_accelerator = validate_on_cpu
+
+
+def _trainer_takes_cpctl_attention() -> None:
+    """The transformers Trainer shards its batch through accelerator.maybe_context_parallel (so
+    through cpctl's engine here), after checking that the model's attention is "sdpa". A model
+    prepared by cpctl attends through cpctl's implementation, which computes what SDPA would across
+    the CP group and checks masks itself; that check alone is the model's use there, so it is
+    handed no model."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return
+    from transformers import Trainer
+
+    prepare_inputs = getattr(Trainer, "_prepare_context_parallel_inputs", None)
+    if prepare_inputs is None:  # a Trainer without context parallelism: nothing to adapt
+        return
+
+    @functools.wraps(prepare_inputs)
+    def without_sdpa_check(self, model, inputs):
+        return prepare_inputs(self, None, inputs)
+
+    Trainer._prepare_context_parallel_inputs = without_sdpa_check
 
 
 def _closing(destroy: Any) -> Any:

@@ -233,7 +233,11 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtim
     model._cpctl_owns_loss = kwargs.get("labels") is not None
     if model._cpctl_owns_loss:
         kwargs.update(_loss_arguments(model, kwargs, runtime))
+        model._cpctl_owns_loss = kwargs.pop(OWNS_LOSS, True)
     return (), kwargs
+
+
+OWNS_LOSS = "_cpctl_owns_loss"  # _loss_arguments' answer: False when the caller normalizes the loss itself
 
 
 def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
@@ -249,14 +253,21 @@ def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
     if kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
         raise CpctlError("output_router_logits under context parallelism: the router's auxiliary loss would average "
                          "per shard; set output_router_logits=False (or add a global aux loss yourself)")
-    if kwargs.get("num_items_in_batch") is not None:
-        raise CpctlError("num_items_in_batch under context parallelism: leave it out, cpctl averages over every "
-                         "token of the dp x cp batch")
     shifted = kwargs.get("shift_labels")
     if shifted is None:
         shifted = runtime.shift_sharded(kwargs["labels"], ignore_index=IGNORE_INDEX)
     tokens = (shifted != IGNORE_INDEX).sum().float()
     runtime.reduce_over_dp_cp(tokens)
+    given = kwargs.get("num_items_in_batch")
+    if given is not None:
+        # The caller normalizes (the transformers Trainer: local sum / the label tokens of the whole
+        # dp batch, then x dp*cp, which the gradient average over dp x cp turns into the global
+        # mean). A count below this step's own cannot be that: a per-rank count, say.
+        if float(given) < float(tokens) - 0.5:
+            raise CpctlError(f"num_items_in_batch={float(given):g} under context parallelism, but this step has "
+                             f"{int(tokens)} label tokens over its dp x cp ranks; pass the whole batch's count "
+                             "(as the Trainer does) or leave it out and cpctl takes the global token mean")
+        return {"shift_labels": shifted, OWNS_LOSS: False}
     ranks = runtime.axes["dp_cp"].size()
     return {"shift_labels": shifted, "num_items_in_batch": tokens.clamp(min=1) / ranks}
 

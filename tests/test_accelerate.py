@@ -21,6 +21,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 SCRIPT = REPO / "scripts" / "accelerate_cp.py"
+TRAINER = REPO / "scripts" / "trainer_cp.py"
 ARGS = ("--steps", "4", "--seq-len", "64", "--batch", "2")
 TOLERANCE = 1e-4
 CP2 = ("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api", "accelerate")
@@ -35,9 +36,9 @@ LAYOUTS = {
 }
 
 
-def plain_run(tmp: Path, *extra: str) -> list[float]:
+def plain_run(tmp: Path, *extra: str, script: Path = SCRIPT, args: tuple[str, ...] = ARGS) -> list[float]:
     out = tmp / "losses.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), *ARGS, *extra, "--losses-out", str(out)], cwd=tmp,
+    proc = subprocess.run([sys.executable, str(script), *args, *extra, "--losses-out", str(out)], cwd=tmp,
                           env=launch_env(tmp), check=False, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads(out.read_text())["losses"]
@@ -71,6 +72,20 @@ def test_the_reference_trains(launched, tmp_path: Path) -> None:
     trained, frozen = launched("cp2")["reference"], plain_run(tmp_path, "--lr", "0")
     assert trained[0] == frozen[0]
     assert all(abs(a - b) > 100 * TOLERANCE for a, b in zip(trained[1:], frozen[1:]))
+
+
+def test_a_trainer_under_cp_gives_the_one_process_losses(tmp_path: Path) -> None:
+    """The transformers Trainer shards through accelerator.maybe_context_parallel (cpctl's engine
+    here) and normalizes the loss by its own global token count, which cpctl checks."""
+    out = tmp_path / "cp.json"
+    code, stdout, stderr = finish(cpctl(*CP2, str(TRAINER), "--losses-out", str(out), tmp_path=tmp_path))
+    assert code == 0, stdout + stderr
+    run = json.loads(out.read_text())
+    reference = plain_run(tmp_path, script=TRAINER, args=())
+    assert run["world"] == 2 and len(run["losses"]) == len(reference) == 4
+    assert len(set(reference)) == 4  # it trains
+    for step, (got, want) in enumerate(zip(run["losses"], reference)):
+        assert abs(got - want) <= TOLERANCE, f"step {step}: {got} vs {want}"
 
 
 def test_the_dry_run_shows_what_accelerate_is_told(tmp_path: Path) -> None:
