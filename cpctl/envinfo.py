@@ -105,6 +105,7 @@ def run_checks(
     problem = torch_problem(torch_version)
     checks.append(Check(f"torch >= {'.'.join(map(str, MIN_TORCH))}", problem is None, problem or torch_version or ""))
 
+    checks.extend(_framework_checks(resolved))
     if static:
         checks.append(Check("devices", None, "skipped (--static)"))
         checks.append(Check("backend", None, "skipped (--static)"))
@@ -115,6 +116,30 @@ def run_checks(
     else:
         checks.extend(_device_checks(resolved))
     return resolved, checks
+
+
+def _framework_checks(resolved: Resolved | None) -> list[Check]:
+    """accelerate and transformers against the releases cpctl knows. An accelerate script needs
+    a known accelerate (its workers refuse another); a transformers cpctl has not run is said."""
+    from cpctl.accelerate_env import KNOWN_ACCELERATE, KNOWN_TRANSFORMERS, is_known
+
+    for_accelerate = resolved is not None and resolved.profile.launch.script_api == "accelerate"
+    checks = []
+    for name, known, required in (("accelerate", KNOWN_ACCELERATE, for_accelerate),
+                                  ("transformers", KNOWN_TRANSFORMERS, False)):
+        version = installed_version(name)
+        releases = ", ".join(f"{k}.x" for k in known)
+        if version is None:
+            if required:
+                checks.append(Check(name, False, f"not installed; launch.script_api: accelerate needs it ({releases})"))
+            continue
+        if is_known(version, known):
+            checks.append(Check(name, True, f"{version}, a release cpctl knows"))
+        elif required:
+            checks.append(Check(name, False, f"{version} is not a release cpctl knows ({releases}); install one of those"))
+        else:
+            checks.append(Check(name, True, f"{version}; cpctl has run {releases} (others may differ)"))
+    return checks
 
 
 def describe(resolved: Resolved) -> str:

@@ -119,3 +119,17 @@ def test_what_accelerate_cannot_run_is_one_line_before_any_worker(tmp_path: Path
     code, out, err = finish(cpctl(*CP2, *flags, "--dry-run", str(SCRIPT), tmp_path=tmp_path))
     assert code == 2, out + err
     assert fragment in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_check_says_whether_accelerate_and_transformers_are_known(tmp_path: Path) -> None:
+    from cpctl.accelerate_env import KNOWN_ACCELERATE, is_known
+    from cpctl.envinfo import run_checks
+
+    assert is_known("1.15.2", KNOWN_ACCELERATE) and not is_known("1.16.0", KNOWN_ACCELERATE)
+    assert not is_known("11.5.0", KNOWN_ACCELERATE)
+    flags = {"launch.device": "cpu", "launch.nproc_per_node": "2", "parallelism.cp_size": "2",
+             "launch.script_api": "accelerate"}
+    _, checks = run_checks(flags=flags, static=True, environ={}, cwd=tmp_path)
+    by_name = {check.name: check for check in checks}
+    assert by_name["accelerate"].ok and "a release cpctl knows" in by_name["accelerate"].detail
+    assert by_name["transformers"].ok
