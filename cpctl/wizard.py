@@ -133,6 +133,12 @@ class _Asker:
         self.answers[path] = self.q.confirm(KEYS[path].spec.prompt, default=default).unsafe_ask()
         self.origins[path] = "answer"
 
+    def gate(self, message: str, *, default: bool) -> bool:
+        """A yes/no that only decides which questions follow (no key of its own)."""
+        if not self.interactive:
+            return default
+        return bool(self.q.confirm(message, default=default).unsafe_ask())
+
     def ask(self, path: str) -> None:
         """A key with no question of its own in the order below: by its kind, from its declaration."""
         spec = KEYS[path].spec
@@ -157,6 +163,10 @@ class _Asker:
         declared = KEYS[path].default
         self.origins[path] = "default" if default == declared else (why or "chosen to fit the other values")
         return True
+
+
+MEMORY_OPTIONS = ("memory.loss_chunk_tokens", "memory.tiled_mlp_tokens", "memory.offload_activations",
+                  "memory.cpu_offload")  # asked behind one yes/no: most profiles need none of them
 
 
 def _ask_all(ask: _Asker) -> None:
@@ -211,8 +221,16 @@ def _ask_all(ask: _Asker) -> None:
     ask.confirm("fsdp.activation_checkpointing", default=False)
     if answers["fsdp.activation_checkpointing"]:  # a level of nothing otherwise
         ask.select("memory.checkpoint_level", default="full")
+    if ask.gate("Long sequences: set the memory options (loss chunks, tiled MLP, offload)?", default=False):
+        ask.text("memory.loss_chunk_tokens", default=KEYS["memory.loss_chunk_tokens"].default)
+        ask.text("memory.tiled_mlp_tokens", "0 = off", default=0)
+        if _filled(answers, machine)[0]["launch.device"] == "cuda":  # both move GPU memory to the host
+            if answers["fsdp.activation_checkpointing"]:
+                ask.confirm("memory.offload_activations", default=False)
+            ask.confirm("memory.cpu_offload", default=False)
     placed = set(answers) | {"launch.node_rank", "launch.rdzv_endpoint", "parallelism.cp_comm_strategy",
-                             "parallelism.cp_load_balance", "memory.checkpoint_level", "parallelism.cp_engine"}
+                             "parallelism.cp_load_balance", "memory.checkpoint_level", "parallelism.cp_engine",
+                             *MEMORY_OPTIONS}
     for path, spec in KEYS.items():
         if spec.spec.prompt and path not in placed:
             ask.ask(path)

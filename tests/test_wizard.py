@@ -29,8 +29,8 @@ CPU = prof.Machine(cuda_devices=0)
 GPU8 = prof.Machine(cuda_devices=8)
 ENTER, DOWN, CLEAR, CTRL_C = "\r", "\x1b[B", "\x15", "\x03"
 # script api, device, nnodes, nproc, cp, tp, dp_replicate, dp_shard, strategy, load balance, precision,
-# checkpointing
-QUESTIONS = 12
+# checkpointing, memory options (the yes/no in front of them)
+QUESTIONS = 13
 # with cp_size 1, the default, strategy and load balance are not asked
 QUESTIONS_WITHOUT_CP = QUESTIONS - 2
 
@@ -85,17 +85,31 @@ def test_custom_answers_are_written(tmp_path):
             + ENTER                             # dp_shard: the computed 4 / (1 * 2 * 1) = 2
             + DOWN + ENTER                      # alltoall
             + "n" + DOWN + ENTER + "y"          # no load balance, bf16, checkpointing
-            + DOWN + ENTER)                     # the selective level
+            + DOWN + ENTER                      # the selective level
+            + "y" + typed("2048") + typed("16"))  # memory options: loss chunks of 2048, MLP tiles of 16
     code, _ = drive(keys, output=out)
     assert code == 0
     written = yaml.safe_load(out.read_text())
     assert written["parallelism"] == {"dp_replicate_size": 1, "dp_shard_size": 2, "cp_size": 2, "tp_size": 1,
                                       "cp_comm_strategy": "alltoall", "cp_load_balance": False}
     assert written["fsdp"] == {"mixed_precision": "bf16", "activation_checkpointing": True}
-    assert written["memory"] == {"checkpoint_level": "selective"}
+    assert written["memory"] == {"checkpoint_level": "selective", "loss_chunk_tokens": 2048, "tiled_mlp_tokens": 16}
     assert written["launch"] == {"device": "auto", "nnodes": 1, "nproc_per_node": 4, "script_api": "cpctl"}
     got = resolved(out)
     assert got.world_size == 4 and got.parallelism.dp_shard_size == 2
+
+
+def test_memory_options_on_a_gpu_machine(tmp_path):
+    out = tmp_path / "p.yaml"
+    keys = (ENTER * 8                                # a cpctl script, auto, 1 machine, 8 GPUs, cp/tp/dp defaults
+            + ENTER + "y" + ENTER                    # precision, checkpointing, the full level
+            + "y" + ENTER + typed("8192") + "y" + ENTER)  # memory options: default chunks, tiles, offload, no cpu_offload
+    code, shown = drive(keys, output=out, machine=GPU8)
+    assert code == 0, shown
+    written = yaml.safe_load(out.read_text())
+    assert written["memory"] == {"checkpoint_level": "full", "loss_chunk_tokens": 4096, "tiled_mlp_tokens": 8192,
+                                 "offload_activations": True, "cpu_offload": False}
+    assert resolved(out, machine=GPU8).memory.offload_activations
 
 
 def test_an_accelerate_script_is_asked_for_its_engine(tmp_path):
@@ -103,7 +117,7 @@ def test_an_accelerate_script_is_asked_for_its_engine(tmp_path):
     keys = (DOWN + ENTER + ENTER + ENTER + ENTER    # accelerate, device auto, 1 machine, 2 processes
             + typed("2") + ENTER * 3                # cp 2, tp 1, dp_replicate 1, dp_shard 1
             + ENTER + ENTER + ENTER                 # allgather, load balance, cpctl's engine
-            + ENTER + ENTER)                        # precision, no checkpointing
+            + ENTER + ENTER + ENTER)                # precision, no checkpointing, no memory options
     code, shown = drive(keys, output=out)
     assert code == 0, shown
     written = yaml.safe_load(out.read_text())
@@ -118,7 +132,7 @@ def test_bad_answers_are_asked_again(tmp_path):
             + typed("3") + typed("0") + typed("two") + typed("2")   # cp 3 does not divide 4; 0, "two" are no sizes
             + ENTER + ENTER
             + typed("1") + typed("2")                               # dp_shard 1: 1 * 1 * 2 * 1 != 4
-            + ENTER * 4)
+            + ENTER * 5)
     code, _ = drive(keys, output=out)
     assert code == 0
     got = resolved(out)
@@ -267,7 +281,7 @@ def test_enter_through_a_real_terminal(tmp_path):
         for prompt, answer in (("The training script uses", ENTER), ("Device", ENTER), ("Machines", ENTER), ("Processes per machine", ENTER),
                                ("CP size", typed("2")), ("TP size", ENTER), ("DP replicate", ENTER), ("DP shard", ENTER),
                                ("CP comm strategy", ENTER), ("Load balance", ENTER), ("Mixed precision", ENTER),
-                               ("Activation checkpointing", ENTER)):
+                               ("Activation checkpointing", ENTER), ("Long sequences", ENTER)):
             child.expect_exact(prompt)
             child.send(answer)
         child.expect_exact("Wrote")

@@ -164,7 +164,8 @@ class Fsdp:
 @dataclass(frozen=True)
 class Memory:
     loss_chunk_tokens: int = key(integer(minimum=1), 4096, "tokens per chunk of rt.causal_lm_loss, which never "
-                                 "holds the full logits (smaller: less memory, more kernel calls)")
+                                 "holds the full logits (smaller: less memory, more kernel calls)",
+                                 prompt="Tokens per chunk of the chunked loss (rt.causal_lm_loss)")
     checkpoint_level: str = key(one_of("full", "selective"), "full", "with activation checkpointing: full "
                                 "recomputes whole blocks in backward; selective keeps what attention saved, so "
                                 "attention and its CP exchange run once", prompt="Checkpointing level",
@@ -172,11 +173,14 @@ class Memory:
                                          "selective": "selective  faster: keep attention's tensors (Q, K, V, output), "
                                                       "recompute the rest"})
     tiled_mlp_tokens: int = key(integer(minimum=0), 0, "run each block's MLP over the sequence in tiles of this "
-                                "many tokens, recomputed per tile in backward (0: off)")
+                                "many tokens, recomputed per tile in backward (0: off)",
+                                prompt="Tiled MLP: tokens per tile, each recomputed in backward")
     offload_activations: bool = key(SWITCH, False, "keep the tensors saved for backward (with activation "
-                                    "checkpointing: the block inputs) in pinned CPU memory (cuda only)")
+                                    "checkpointing: the block inputs) in pinned CPU memory (cuda only)",
+                                    prompt="Offload the checkpointed block inputs to pinned CPU memory?")
     cpu_offload: bool = key(SWITCH, False, "keep parameters, gradients and optimizer state in CPU memory between "
-                            "uses (FSDP2's CPUOffloadPolicy; cuda only)")
+                            "uses (FSDP2's CPUOffloadPolicy; cuda only)",
+                            prompt="Keep parameters, gradients and optimizer state in CPU memory (slower)?")
 
 
 @dataclass(frozen=True)
