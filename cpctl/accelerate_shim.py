@@ -28,7 +28,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cpctl import config
+from cpctl import config, huggingface
 from cpctl.accelerate_env import KNOWN_ACCELERATE, is_known
 from cpctl.errors import CpctlError
 
@@ -70,7 +70,7 @@ def install(profile: config.Profile, runtime: Any | None) -> None:
     if not is_known(accelerate.__version__, KNOWN_ACCELERATE):
         raise CpctlError(f"accelerate {accelerate.__version__} is not a release cpctl knows ({', '.join(KNOWN_ACCELERATE)}): "
                          "the settings cpctl passes may be read differently; install one of those")
-    init, prepare = Accelerator.__init__, Accelerator.prepare
+    init = Accelerator.__init__
 
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
@@ -80,31 +80,49 @@ def install(profile: config.Profile, runtime: Any | None) -> None:
     Accelerator.__init__ = checked_init
     if runtime is None:
         return
-
-    @functools.wraps(prepare)
-    def cpctl_prepare(self, *args, **kwargs):
-        args = tuple(runtime.ready_model(a) if _is_new_model(a) else a for a in args)
-        prepared = prepare(self, *args, **kwargs)
-        for item in prepared if isinstance(prepared, tuple) else (prepared,):
-            if _is_new_model(item):
-                runtime.finish_model(item)
-                item._cpctl_prepared = True
-        return prepared
+    # `prepare` (FSDP2 prepares models without prepare_model) and `prepare_model` (which
+    # `prepare` may call, and the Trainer calls alone to evaluate) both adopt the model, once.
+    Accelerator.prepare = _adopting(Accelerator.prepare, runtime)
+    Accelerator.prepare_model = _adopting(Accelerator.prepare_model, runtime)
 
     def cpctl_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
         return runtime.maybe_context_parallel(buffers=list(buffers or []), buffer_seq_dims=list(buffer_seq_dims or []),
                                               no_restore_buffers=no_restore_buffers or ())
 
-    Accelerator.prepare = cpctl_prepare
-    _trainer_takes_cpctl_attention()
-    for state in (PartialState, AcceleratorState):
-        state.destroy_process_group = _closing(state.destroy_process_group)
-    if profile.launch.device == "cpu":
-        _allow_cpu(profile)
     # accelerate's own CP preparation binds PyTorch's context_parallel and hooks the model's
     # attention modules (dropping masks); cpctl's engine does neither.
     Accelerator._prepare_cp = lambda self, *args: args
     Accelerator.maybe_context_parallel = cpctl_context_parallel
+    _trainer_takes_cpctl_attention(runtime)
+    for state in (PartialState, AcceleratorState):
+        state.destroy_process_group = _closing(state.destroy_process_group)
+    if profile.launch.device == "cpu":
+        _allow_cpu(profile)
+
+
+ADOPTED = "_cpctl_adopted"  # set on a model cpctl has prepared, so a second prepare leaves it alone
+
+
+def _adopting(prepare: Any, runtime: Any) -> Any:
+    """`prepare` (or `prepare_model`) with the models among its arguments made ready by cpctl
+    before accelerate wraps them, and finished after."""
+    import torch
+
+    @functools.wraps(prepare)
+    def adopting(self, *args, **kwargs):
+        fresh = [a for a in args if isinstance(a, torch.nn.Module) and not getattr(a, ADOPTED, False)]
+        for model in fresh:
+            runtime.ready_model(model)
+            setattr(model, ADOPTED, True)
+        prepared = prepare(self, *args, **kwargs)
+        for model in fresh:
+            runtime.finish_model(model)
+        for item in prepared if isinstance(prepared, tuple) else (prepared,):
+            if isinstance(item, torch.nn.Module):
+                setattr(item, ADOPTED, True)  # a wrapper (DDP) passed back in later
+        return prepared
+
+    return adopting
 
 
 def _allow_cpu(profile: config.Profile) -> None:
@@ -128,27 +146,71 @@ def _allow_cpu(profile: config.Profile) -> None:
     ParallelismConfig._validate_accelerator = validate_on_cpu
 
 
-def _trainer_takes_cpctl_attention() -> None:
+def _trainer_takes_cpctl_attention(runtime: Any) -> None:
     """The transformers Trainer shards its batch through accelerator.maybe_context_parallel (so
-    through cpctl's engine here), after checking that the model's attention is "sdpa". A model
-    prepared by cpctl attends through cpctl's implementation, which computes what SDPA would across
-    the CP group and checks masks itself; that check alone is the model's use there, so it is
-    handed no model."""
+    through cpctl's engine here). Two of its steps are adapted:
+
+    * it checks that the model's attention is "sdpa": a model cpctl prepared attends through
+      cpctl's implementation, which computes what SDPA would across the CP group and checks
+      masks itself, so for such a model (only) the check is not made;
+    * its loss is the model's local sum over its own count of label tokens (num_items_in_batch),
+      scaled so that the gradient average over dp x cp gives the global mean: inside its
+      compute_loss the runtime lets the model take that count instead of refusing it; in
+      evaluation the CP ranks' shares are summed, since only one CP rank's loss is kept.
+    """
     import importlib.util
+
+    import torch
 
     if importlib.util.find_spec("transformers") is None:
         return
     from transformers import Trainer
 
     prepare_inputs = getattr(Trainer, "_prepare_context_parallel_inputs", None)
+    compute_loss = Trainer.compute_loss
     if prepare_inputs is None:  # a Trainer without context parallelism: nothing to adapt
         return
 
     @functools.wraps(prepare_inputs)
-    def without_sdpa_check(self, model, inputs):
-        return prepare_inputs(self, None, inputs)
+    def checked_as_cpctl(self, model, inputs):
+        config = getattr(self.accelerator.unwrap_model(model), "config", None)
+        cpctl_attention = getattr(config, "_attn_implementation", None) == huggingface.IMPLEMENTATION
+        return prepare_inputs(self, None if cpctl_attention else model, inputs)
 
-    Trainer._prepare_context_parallel_inputs = without_sdpa_check
+    @functools.wraps(compute_loss)
+    def counted_by_the_trainer(self, model, *args, **kwargs):
+        if model.training and runtime.world_size > 1 and not _averages_gradients(model):
+            raise CpctlError(f"the Trainer trains a model that no DDP or FSDP wraps, on {runtime.world_size} processes: "
+                             "their gradients would never be averaged (transformers skips the wrapping when "
+                             "trainer.evaluate() runs before trainer.train()); call train() first")
+        with runtime.caller_counts_loss_tokens():
+            result = compute_loss(self, model, *args, **kwargs)
+        if model.training or runtime.cp_size == 1:
+            return result
+        # Evaluation: each CP rank holds its shard's share of the loss, and accelerate's
+        # gather_for_metrics keeps one CP rank's value (they hold the same samples); give every
+        # CP rank the sum of the shares, the batch's loss.
+        loss = result[0] if isinstance(result, tuple) else result
+        loss = loss.detach().clone()
+        torch.distributed.all_reduce(loss, group=runtime.cp_group)
+        loss /= runtime.cp_size
+        return (loss, *result[1:]) if isinstance(result, tuple) else loss
+
+    Trainer._prepare_context_parallel_inputs = checked_as_cpctl
+    Trainer.compute_loss = counted_by_the_trainer
+
+
+def _averages_gradients(model: Any) -> bool:
+    """Whether `model` is wrapped by something that averages gradients over the ranks."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch 2.6 keeps FSDP2 here
+        from torch.distributed._composable.fsdp import FSDPModule
+
+    return isinstance(model, (DistributedDataParallel, FSDPModule, FullyShardedDataParallel))
 
 
 def _closing(destroy: Any) -> Any:
@@ -160,12 +222,6 @@ def _closing(destroy: Any) -> Any:
         return destroy(self, group) if group is not None else process.close_process_group()
 
     return close
-
-
-def _is_new_model(item: Any) -> bool:
-    import torch
-
-    return isinstance(item, torch.nn.Module) and not getattr(item, "_cpctl_prepared", False)
 
 
 def _check_sizes(accelerator: Any, profile: config.Profile) -> None:

@@ -258,15 +258,14 @@ def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
         shifted = runtime.shift_sharded(kwargs["labels"], ignore_index=IGNORE_INDEX)
     tokens = (shifted != IGNORE_INDEX).sum().float()
     runtime.reduce_over_dp_cp(tokens)
-    given = kwargs.get("num_items_in_batch")
-    if given is not None:
-        # The caller normalizes (the transformers Trainer: local sum / the label tokens of the whole
-        # dp batch, then x dp*cp, which the gradient average over dp x cp turns into the global
-        # mean). A count below this step's own cannot be that: a per-rank count, say.
-        if float(given) < float(tokens) - 0.5:
-            raise CpctlError(f"num_items_in_batch={float(given):g} under context parallelism, but this step has "
-                             f"{int(tokens)} label tokens over its dp x cp ranks; pass the whole batch's count "
-                             "(as the Trainer does) or leave it out and cpctl takes the global token mean")
+    if kwargs.get("num_items_in_batch") is not None:
+        if not runtime.caller_counts_tokens:
+            raise CpctlError("num_items_in_batch under context parallelism: leave it out, cpctl averages over every "
+                             "token of the dp x cp batch (a count made before sharding counts each token once per "
+                             "CP rank)")
+        # The transformers Trainer's own normalization: the local sum over its count, scaled so
+        # that the gradient average over dp x cp gives the global mean. Only the labels needed
+        # shifting across shard boundaries.
         return {"shift_labels": shifted, OWNS_LOSS: False}
     ranks = runtime.axes["dp_cp"].size()
     return {"shift_labels": shifted, "num_items_in_batch": tokens.clamp(min=1) / ranks}

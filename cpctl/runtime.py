@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ from cpctl.attention.dispatch import RouteSDPA
 from cpctl.envinfo import require_torch
 from cpctl.errors import CpctlError
 from cpctl.mesh import build_mesh
-from cpctl.selective import AttentionMemo, keep_on_device
+from cpctl.selective import AttentionMemo
 from cpctl.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
@@ -61,6 +61,7 @@ class Runtime:
     cp_balance: float | None = None  # slowest CP rank's attention work / mean, this step (packed documents)
     _balance_logged: bool = False
     _memo: AttentionMemo | None = None  # the checkpointed block whose attention outputs are kept (selective level)
+    caller_counts_tokens: bool = False  # inside caller_counts_loss_tokens(): a model may take num_items_in_batch
 
     # ------------------------------------------------------------------ coordinates
 
@@ -172,16 +173,20 @@ class Runtime:
         """Called at each checkpointed block call: the contexts around its forward and its recompute.
 
         The recompute is routed as the forward was; at the selective level the forward records
-        its attention outputs and the recompute replays them, so attention runs once.
+        its attention outputs and the recompute replays them, so attention runs once. The
+        recompute context is entered once per recompute (a backward with retain_graph
+        recomputes again), so each entry makes its contexts anew.
         """
-        routing = self._routing(self._documents) if self._cp_active else contextlib.nullcontext()
-        if self.config.memory.checkpoint_level == "full":
-            return contextlib.nullcontext(), routing
-        from torch.autograd.graph import save_on_cpu
+        active, documents = self._cp_active, self._documents
 
-        memo = AttentionMemo(keep_saved=(lambda: save_on_cpu(pin_memory=True)) if self.config.memory.offload_activations
-                             else keep_on_device)
-        return self._using_memo(memo, memo.recording()), self._using_memo(memo, routing, memo.replay())
+        def routing() -> contextlib.AbstractContextManager:
+            return self._routing(documents) if active else contextlib.nullcontext()
+
+        if self.config.memory.checkpoint_level == "full":
+            return contextlib.nullcontext(), _EachEntry(routing)
+        memo = AttentionMemo(offload=self.config.memory.offload_activations)
+        return (self._using_memo(memo, memo.recording()),
+                _EachEntry(lambda: self._using_memo(memo, routing(), memo.replay())))
 
     @contextlib.contextmanager
     def _using_memo(self, memo: AttentionMemo, *contexts: contextlib.AbstractContextManager) -> Iterator[None]:
@@ -193,6 +198,16 @@ class Runtime:
                 yield
         finally:
             self._memo = was
+
+    @contextlib.contextmanager
+    def caller_counts_loss_tokens(self) -> Iterator[None]:
+        """Inside, a Hugging Face model's `num_items_in_batch` is taken as the caller's own
+        normalization (the transformers Trainer's, which is exact under CP) instead of refused."""
+        was, self.caller_counts_tokens = self.caller_counts_tokens, True
+        try:
+            yield
+        finally:
+            self.caller_counts_tokens = was
 
     @contextlib.contextmanager
     def _routing(self, documents: list[packing.Starts] | None) -> Iterator[None]:
@@ -442,6 +457,21 @@ class Runtime:
         return losses.document_mean(token_losses, labels, starts=packing.starts_per_row(full_positions),
                                     token_positions=self.shard(positions, seq_dim=1), cp=self.axes["cp"],
                                     dp=self.axes["dp"], dp_cp=self.axes["dp_cp"], ignore_index=ignore_index)
+
+
+class _EachEntry(contextlib.AbstractContextManager):
+    """A context that can be entered again: each entry enters a new one from `make`."""
+
+    def __init__(self, make: Callable[[], contextlib.AbstractContextManager]):
+        self.make, self.entered = make, []
+
+    def __enter__(self) -> Any:
+        context = self.make()
+        self.entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        return self.entered.pop().__exit__(*exc_info)
 
 
 def _same_documents(a: list, b: list) -> bool:

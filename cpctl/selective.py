@@ -20,7 +20,7 @@ from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.graph import saved_tensors_hooks
+from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
 from cpctl.errors import CpctlError
@@ -32,11 +32,15 @@ def keep_on_device() -> AbstractContextManager:
 
 
 class AttentionMemo:
-    """One checkpointed block call's attention outputs: recorded in its forward, replayed in its recompute."""
+    """One checkpointed block call's attention outputs: recorded in its forward, replayed in its recompute.
 
-    def __init__(self, keep_saved: Callable[[], AbstractContextManager] = keep_on_device):
-        self.keep_saved = keep_saved
-        self.outputs: list[torch.Tensor] = []
+    With `offload`, what attention saves and the recorded outputs wait in pinned host memory,
+    like the rest of what the step keeps for backward (memory.offload_activations).
+    """
+
+    def __init__(self, *, offload: bool = False):
+        self.offload = offload
+        self.outputs: list[tuple[torch.Tensor, torch.device, bool]] = []  # (kept, device, requires_grad)
         self.replaying = False
         self.replayed = 0
         self.depth = 0  # > 0 inside a recorded call: nested attention calls belong to it
@@ -45,22 +49,28 @@ class AttentionMemo:
         if self.depth:
             return compute()
         if self.replaying:
-            if self.replayed >= len(self.outputs):
-                raise CpctlError("memory.checkpoint_level: selective: a block's recompute called attention more "
-                                 "often than its forward did (does the block branch on something that changed?); "
-                                 "use checkpoint_level: full")
-            output = self.outputs[self.replayed]
-            self.replayed += 1
-            # Requiring grad as the original did: what the next ops save depends on it.
-            return output.detach().requires_grad_(output.requires_grad)
+            return self._next()
         self.depth += 1
         try:
-            with self.keep_saved():
+            with save_on_cpu(pin_memory=True) if self.offload else keep_on_device():
                 output = compute()
         finally:
             self.depth -= 1
-        self.outputs.append(output)
+        kept = output.detach()
+        if self.offload:
+            kept = torch.empty(kept.shape, dtype=kept.dtype, pin_memory=True).copy_(kept, non_blocking=True)
+        self.outputs.append((kept, output.device, output.requires_grad))
         return output
+
+    def _next(self) -> torch.Tensor:
+        if self.replayed >= len(self.outputs):
+            raise CpctlError("memory.checkpoint_level: selective: a block's recompute called attention more "
+                             "often than its forward did (does the block branch on something that changed?); "
+                             "use checkpoint_level: full")
+        kept, device, requires_grad = self.outputs[self.replayed]
+        self.replayed += 1
+        # Requiring grad as the original did: what the next ops save depends on it.
+        return kept.to(device, non_blocking=True).requires_grad_(requires_grad)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:
@@ -69,7 +79,7 @@ class AttentionMemo:
 
     @contextlib.contextmanager
     def replay(self) -> Iterator[None]:
-        # From the first output each time: a backward with retain_graph may recompute again.
+        # From the first output each time: a backward with retain_graph recomputes again.
         self.replaying, self.replayed = True, 0
         try:
             with _MemoizeSDPA(self):

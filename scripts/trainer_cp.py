@@ -51,6 +51,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--losses-out", default=None, help="write the logged per-step losses here as JSON")
+    p.add_argument("--evaluate-first", action="store_true", help="evaluate before training as well")
     args = p.parse_args()
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -63,11 +64,14 @@ def main() -> None:
                                      learning_rate=args.lr, optim="sgd", lr_scheduler_type="constant", logging_steps=1,
                                      save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(), seed=0)
         trainer = Trainer(model=model, args=training, train_dataset=CountingRows(4 * args.steps, args.seq_len, 128),
-                          callbacks=[kept])
+                          eval_dataset=CountingRows(4, args.seq_len, 128), callbacks=[kept])
+        if args.evaluate_first:
+            trainer.evaluate()
         trainer.train()
+        evaluated = trainer.evaluate()["eval_loss"]
     if trainer.is_world_process_zero() and args.losses_out:
         with open(args.losses_out, "w") as f:
-            json.dump({"losses": kept.losses, "world": trainer.args.world_size}, f)
+            json.dump({"losses": kept.losses, "eval_loss": evaluated, "world": trainer.args.world_size}, f)
 
 
 if __name__ == "__main__":

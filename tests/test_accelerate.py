@@ -81,11 +81,49 @@ def test_a_trainer_under_cp_gives_the_one_process_losses(tmp_path: Path) -> None
     code, stdout, stderr = finish(cpctl(*CP2, str(TRAINER), "--losses-out", str(out), tmp_path=tmp_path))
     assert code == 0, stdout + stderr
     run = json.loads(out.read_text())
-    reference = plain_run(tmp_path, script=TRAINER, args=())
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    reference = plain_run(plain, script=TRAINER, args=())
+    assert abs(run["eval_loss"] - json.loads((plain / "losses.json").read_text())["eval_loss"]) <= TOLERANCE
     assert run["world"] == 2 and len(run["losses"]) == len(reference) == 4
     assert len(set(reference)) == 4  # it trains
     for step, (got, want) in enumerate(zip(run["losses"], reference)):
         assert abs(got - want) <= TOLERANCE, f"step {step}: {got} vs {want}"
+
+
+def test_a_trainer_that_would_not_average_gradients_is_refused(tmp_path: Path) -> None:
+    """transformers' Trainer wraps no DDP when evaluate() runs before train() (on CPU); the
+    ranks' gradients would drift apart silently, so the first training step is refused."""
+    code, out, err = finish(cpctl(*CP2, str(TRAINER), "--evaluate-first", tmp_path=tmp_path))
+    assert code == 1, out + err
+    assert "the Trainer trains a model that no DDP or FSDP wraps, on 2 processes" in err and "Traceback" not in err
+
+
+def test_a_model_prepared_twice_is_adopted_once(tmp_path: Path) -> None:
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import copy, sys, torch\n"
+        "from accelerate import Accelerator\nfrom accelerate.utils import ParallelismConfig\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "torch.manual_seed(0)\n"
+        "config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,\n"
+        "                     num_attention_heads=4, num_key_value_heads=2, attn_implementation='sdpa', use_cache=False)\n"
+        "model = LlamaForCausalLM(config)\n"
+        "ids = torch.randint(128, (2, 64), generator=torch.Generator().manual_seed(1))\n"
+        "want = copy.deepcopy(model)(input_ids=ids, labels=ids).loss.item()\n"
+        "accelerator = Accelerator(parallelism_config=ParallelismConfig())\n"
+        "model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
+        "model = accelerator.prepare(model)\n"
+        "labels = ids.clone()\n"
+        "with accelerator.maybe_context_parallel(buffers=[ids, labels], buffer_seq_dims=[1, 1],\n"
+        "                                        no_restore_buffers={ids, labels}):\n"
+        "    got = model(input_ids=ids, labels=labels).loss\n"
+        "    accelerator.backward(got)\n"
+        "assert abs(got.item() - want) < 1e-5, (got.item(), want)\n"
+        "accelerator.print('same loss', got.item())\n")
+    code, out, err = finish(cpctl(*CP2, str(script), tmp_path=tmp_path))
+    assert code == 0, out + err
+    assert "same loss" in out
 
 
 def test_the_dry_run_shows_what_accelerate_is_told(tmp_path: Path) -> None:

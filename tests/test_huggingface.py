@@ -56,7 +56,7 @@ REFUSALS = {
     "checkpointing_after_prepare": ["gradient_checkpointing_enable() after rt.prepare_model", "before prepare_model"],
     "padding_mask": ["attention_mask with padding", "without padding"],
     "use_cache": ["use_cache=False"],
-    "num_items_per_rank": ["num_items_in_batch=32", "this step has 126 label tokens"],
+    "num_items_in_batch": ["num_items_in_batch under context parallelism", "leave it out"],
     "labels_not_in_buffers": ["labels has the full sequence length 64", "add it to buffers"],
     "attention_dropout": ["attention_dropout=0.1", "set it to 0.0"],
 }

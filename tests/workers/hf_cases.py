@@ -113,8 +113,9 @@ def refused_calls(rt, model, config) -> dict:
         "checkpointing_after_prepare": error_of(checkpointing_enabled_late),
         "padding_mask": error_of(lambda: step(attention_mask=padded)),
         "use_cache": error_of(lambda: step(use_cache=True)),
-        # a count of this rank's tokens only (the whole batch has 2 x 63 label tokens)
-        "num_items_per_rank": error_of(lambda: step(labels=torch.zeros(2, 64, dtype=torch.long), num_items_in_batch=32)),
+        # a caller's own count (outside the Trainer's compute_loss): made before sharding, it would count
+        # each token once per CP rank
+        "num_items_in_batch": error_of(lambda: step(labels=torch.zeros(2, 64, dtype=torch.long), num_items_in_batch=126)),
         "labels_not_in_buffers": error_of(lambda: step(labels=full_labels, _unsharded=full_labels)),
         "attention_dropout": error_of(lambda: rt.prepare_model(LlamaForCausalLM(config.__class__(
             **{**config.to_dict(), "attention_dropout": 0.1})))),
