@@ -1,21 +1,22 @@
 """The worker's entry point for an accelerate script: `python -m cpctl.accelerate_shim SCRIPT ARGS...`.
 
 `cpctl launch` starts it for `launch.script_api: accelerate` (accelerate's variables are already
-in the environment, see cpctl.accelerate_env). Before the script runs, three of `Accelerator`'s
-methods get a cpctl step in front of accelerate's own (or in place of it), only in this process:
+in the environment, see cpctl.accelerate_env). Before the script runs, cpctl's steps go in front
+of accelerate's (or in place of them), only in this process:
 
-* `__init__`: the Accelerator's parallel sizes must be the profile's (a script that builds its
-  own `ParallelismConfig` with other sizes is refused, instead of one of the two being ignored);
-* `prepare`, on cpctl's engine: what `rt.prepare_model` does to a model before FSDP (cpctl's
-  attention for a Hugging Face model, true positions, the exact `.loss`, tiled MLPs,
-  checkpointing whose recompute attends across the CP group), then accelerate's own `prepare`
-  (FSDP2, optimizer, data loader), without accelerate's CP hooks on the attention modules;
-* `maybe_context_parallel`, on cpctl's engine: `rt.maybe_context_parallel` with the same
-  buffers, so the step runs on cpctl's engine (on CPU with gloo too) with its checks. The
-  transformers Trainer reaches it the same way (its "is the attention sdpa" check is skipped:
-  the model attends through cpctl's implementation).
+* `Accelerator.__init__`: the Accelerator's parallel sizes must be the profile's (a script that
+  builds its own `ParallelismConfig` with other sizes is refused, instead of one of the two
+  being ignored). With `parallelism.cp_engine: native` this is all, and accelerate's path runs
+  unchanged. On cpctl's engine, also:
+* `Accelerator.prepare` / `prepare_model`: what `rt.prepare_model` does to a model before FSDP
+  (cpctl's attention for a Hugging Face model, true positions, the exact `.loss`, tiled MLPs,
+  checkpointing whose recompute attends across the CP group), once per model, then
+  accelerate's own (FSDP2, optimizer, data loader), without its CP hooks on attention modules;
+* `Accelerator.maybe_context_parallel`: `rt.maybe_context_parallel` with the same buffers, so
+  the step runs on cpctl's engine (on CPU with gloo too) with its checks;
+* the transformers Trainer, which reaches that context manager too: see
+  `_trainer_takes_cpctl_attention`; and accelerate's process-group teardown, done as cpctl's.
 
-With `parallelism.cp_engine: native` only the first applies and accelerate's path runs unchanged.
 Then the script runs as `python SCRIPT ARGS` (or `python -m MODULE ARGS`) would run it.
 """
 
@@ -38,11 +39,15 @@ def main(argv: Sequence[str]) -> None:
         raise SystemExit("usage: python -m cpctl.accelerate_shim SCRIPT [ARGS...] | -m MODULE [ARGS...]")
     import cpctl
 
-    if _profile().parallelism.cp_engine == "cpctl":
-        runtime = cpctl.init()  # the process group accelerate's PartialState then adopts
+    profile = _profile()
+    if profile.parallelism.cp_engine == "cpctl":
+        runtime = cpctl.init()  # the process group accelerate's PartialState then adopts; its error reports
         install(runtime.config, runtime)
     else:
-        install(_profile(), None)
+        try:
+            install(profile, None)
+        except CpctlError as error:  # no cpctl runtime reports it here: one line, as it would
+            raise SystemExit(f"error: {error}") from None
     if argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
