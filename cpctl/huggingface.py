@@ -230,14 +230,12 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtim
         kwargs["position_ids"] = runtime.shard(full, seq_dim=1)
     else:
         runtime.adopt_position_ids(position_ids)
-    model._cpctl_owns_loss = kwargs.get("labels") is not None
-    if model._cpctl_owns_loss:
+    has_labels = kwargs.get("labels") is not None
+    # A caller's own num_items_in_batch (checked in _loss_arguments) means it normalizes the loss itself.
+    model._cpctl_owns_loss = has_labels and kwargs.get("num_items_in_batch") is None
+    if has_labels:
         kwargs.update(_loss_arguments(model, kwargs, runtime))
-        model._cpctl_owns_loss = kwargs.pop(OWNS_LOSS, True)
     return (), kwargs
-
-
-OWNS_LOSS = "_cpctl_owns_loss"  # _loss_arguments' answer: False when the caller normalizes the loss itself
 
 
 def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
@@ -256,8 +254,6 @@ def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
     shifted = kwargs.get("shift_labels")
     if shifted is None:
         shifted = runtime.shift_sharded(kwargs["labels"], ignore_index=IGNORE_INDEX)
-    tokens = (shifted != IGNORE_INDEX).sum().float()
-    runtime.reduce_over_dp_cp(tokens)
     if kwargs.get("num_items_in_batch") is not None:
         if not runtime.caller_counts_tokens:
             raise CpctlError("num_items_in_batch under context parallelism: leave it out, cpctl averages over every "
@@ -266,7 +262,9 @@ def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
         # The transformers Trainer's own normalization: the local sum over its count, scaled so
         # that the gradient average over dp x cp gives the global mean. Only the labels needed
         # shifting across shard boundaries.
-        return {"shift_labels": shifted, OWNS_LOSS: False}
+        return {"shift_labels": shifted}
+    tokens = (shifted != IGNORE_INDEX).sum().float()
+    runtime.reduce_over_dp_cp(tokens)
     ranks = runtime.axes["dp_cp"].size()
     return {"shift_labels": shifted, "num_items_in_batch": tokens.clamp(min=1) / ranks}
 
