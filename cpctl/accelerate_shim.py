@@ -115,7 +115,8 @@ def _adopting(prepare: Any, runtime: Any) -> Any:
 
     @functools.wraps(prepare)
     def adopting(self, *args, **kwargs):
-        fresh = [a for a in args if isinstance(a, torch.nn.Module) and not getattr(a, ADOPTED, False)]
+        fresh = [a for a in (*args, *kwargs.values())
+                 if isinstance(a, torch.nn.Module) and not getattr(a, ADOPTED, False)]
         for model in fresh:
             runtime.ready_model(model)
             setattr(model, ADOPTED, True)
@@ -161,7 +162,7 @@ def _trainer_takes_cpctl_attention(runtime: Any) -> None:
     * its loss is the model's local sum over its own count of label tokens (num_items_in_batch),
       scaled so that the gradient average over dp x cp gives the global mean: inside its
       compute_loss the runtime lets the model take that count instead of refusing it; in
-      evaluation the CP ranks' shares are summed, since only one CP rank's loss is kept.
+      evaluation the CP ranks' losses are averaged, since only one CP rank's loss is kept.
     """
     import importlib.util
 
@@ -192,9 +193,9 @@ def _trainer_takes_cpctl_attention(runtime: Any) -> None:
             result = compute_loss(self, model, *args, **kwargs)
         if model.training or runtime.cp_size == 1:
             return result
-        # Evaluation: each CP rank holds its shard's share of the loss, and accelerate's
+        # Evaluation: each CP rank's loss covers its shard only, and accelerate's
         # gather_for_metrics keeps one CP rank's value (they hold the same samples); give every
-        # CP rank the sum of the shares, the batch's loss.
+        # CP rank their mean, which is the batch's loss (the Trainer scaled each by the ranks).
         loss = result[0] if isinstance(result, tuple) else result
         loss = loss.detach().clone()
         torch.distributed.all_reduce(loss, group=runtime.cp_group)
