@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cpctl.config.schema import AUTO, CPU_DEFAULT_NPROC, Flat
+from cpctl.config.schema import AUTO, CPU_DEFAULT_NPROC, KEYS, Flat
 
 STATIC_GPUS_PER_NODE = 8  # the node a cuda profile with nproc_per_node auto is checked against, away from it
 
@@ -201,16 +201,15 @@ def _native_engine_is_accelerates(v: Mapping[str, Any], machine: Machine | None)
                 "remove cp_engine, or set launch.script_api: accelerate")
     if v["launch.device"] == "cpu":
         return "parallelism.cp_engine: native (PyTorch's context_parallel) needs CUDA; set cp_engine: cpctl to run on cpu"
-    cpctl_only = [f"{path}: {v[path]}" for path, off in CPCTL_MODEL_OPTIONS.items() if v[path] != off]
+    cpctl_only = [f"{path}: {v[path]}" for path in CPCTL_MODEL_OPTIONS if v[path] != KEYS[path].default]
     if cpctl_only:
         return (f"{cpctl_only[0]} is applied by cpctl's engine, but with cp_engine: native accelerate runs the model "
                 "unchanged; remove it or set cp_engine: cpctl")
     return None
 
 
-# What cpctl does to an accelerate script's model on its own engine (and the value that is off).
-CPCTL_MODEL_OPTIONS = {"memory.tiled_mlp_tokens": 0, "memory.offload_activations": False,
-                       "memory.checkpoint_level": "full"}
+# What cpctl does to an accelerate script's model on its own engine (off at their defaults).
+CPCTL_MODEL_OPTIONS = ("memory.tiled_mlp_tokens", "memory.offload_activations", "memory.checkpoint_level")
 
 
 def _accelerate_limits(v: Mapping[str, Any], machine: Machine | None) -> str | None:
