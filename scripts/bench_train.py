@@ -24,6 +24,7 @@ run one step only, to find the longest sequence that trains.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -143,13 +144,9 @@ def run_length(rt, bench, optimizer, seq: int, *, warmup: int, steps: int) -> di
                 peak_gib=round(peak.item(), 2))
 
 
-def options(rt, chunked_loss: bool) -> dict:
-    """The settings a row was measured with: what `cpctl plan` needs to predict it."""
-    profile = rt.config
-    return dict(activation_checkpointing=profile.fsdp.activation_checkpointing,
-                checkpoint_level=profile.memory.checkpoint_level, chunked_loss=chunked_loss,
-                tiled_mlp_tokens=profile.memory.tiled_mlp_tokens,
-                offload_activations=profile.memory.offload_activations, cpu_offload=profile.memory.cpu_offload)
+# The settings a row was measured with, as the planner's Setup names them: what it needs to predict it.
+RECORDED_OPTIONS = ("activation_checkpointing", "checkpoint_level", "chunked_loss", "tiled_mlp_tokens",
+                    "offload_activations", "cpu_offload", "logits_kept", "first_step")
 
 
 def main(argv=None):
@@ -165,12 +162,16 @@ def main(argv=None):
         bench = ExampleLlama(rt, name, chunked_loss=args.chunked_loss)
     n_params = sum(p.numel() for p in bench.model.parameters())
     optimizer = torch.optim.AdamW(bench.model.parameters(), lr=1e-4)
-    setup = planner.Setup.from_profile(rt.config, chunked_loss=args.chunked_loss)
-    for label, warmup, steps in lengths:
+    # The HF step keeps only model(labels=...).loss, not the logits.
+    profile_setup = dataclasses.replace(planner.Setup.from_profile(rt.config, chunked_loss=args.chunked_loss),
+                                        logits_kept=not args.model.startswith(HF_PREFIX))
+    for index, (label, warmup, steps) in enumerate(lengths):
+        # AdamW has no state before the process's first optimizer step.
+        setup = dataclasses.replace(profile_setup, first_step=index == 0 and warmup == 0)
         seq = planner.parse_tokens(label)
         record = dict(model=args.model, params=n_params, world=rt.world_size, cp=rt.cp_size,
                       strategy=rt.config.parallelism.cp_comm_strategy, seq=seq, probe=steps == 1 and warmup == 0,
-                      **options(rt, args.chunked_loss),
+                      **{name: getattr(setup, name) for name in RECORDED_OPTIONS},
                       plan_gib=round(planner.peak_gib(planner.PRESETS[name], setup, seq), 2),
                       gpu=torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu", torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
         try:
