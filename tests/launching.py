@@ -4,6 +4,7 @@ each expensive launch once per module."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -34,6 +35,15 @@ def cpctl(*args: str, tmp_path: Path, cwd: Path | None = None, **popen: object) 
         [sys.executable, "-m", "cpctl.cli", "launch", *args], cwd=cwd or tmp_path, env=launch_env(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
     )
+
+
+def plain_losses(script: Path, *args: str, tmp_path: Path) -> dict:
+    """The losses file of `python SCRIPT ARGS --losses-out FILE`: one plain process, the reference."""
+    out = tmp_path / "losses.json"
+    proc = subprocess.run([sys.executable, str(script), *args, "--losses-out", str(out)], cwd=tmp_path,
+                          env=launch_env(tmp_path), check=False, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads(out.read_text())
 
 
 def finish(proc: subprocess.Popen) -> tuple[int, str, str]:

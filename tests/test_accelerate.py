@@ -10,12 +10,10 @@ shows those losses move far more than the tolerance, so a wrong gradient could n
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish, launch_env, launch_once
+from launching import REPO, cpctl, finish, launch_once, plain_losses
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -36,12 +34,8 @@ LAYOUTS = {
 }
 
 
-def plain_run(tmp: Path, *extra: str, script: Path = SCRIPT, args: tuple[str, ...] = ARGS) -> list[float]:
-    out = tmp / "losses.json"
-    proc = subprocess.run([sys.executable, str(script), *args, *extra, "--losses-out", str(out)], cwd=tmp,
-                          env=launch_env(tmp), check=False, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text())["losses"]
+def plain_run(tmp: Path, *extra: str) -> list[float]:
+    return plain_losses(SCRIPT, *ARGS, *extra, tmp_path=tmp)["losses"]
 
 
 def launch_layout(tmp: Path, layout: str) -> dict:
@@ -83,8 +77,9 @@ def test_a_trainer_under_cp_gives_the_one_process_losses(tmp_path: Path) -> None
     run = json.loads(out.read_text())
     plain = tmp_path / "plain"
     plain.mkdir()
-    reference = plain_run(plain, script=TRAINER, args=())
-    assert abs(run["eval_loss"] - json.loads((plain / "losses.json").read_text())["eval_loss"]) <= TOLERANCE
+    one_process = plain_losses(TRAINER, tmp_path=plain)
+    reference = one_process["losses"]
+    assert abs(run["eval_loss"] - one_process["eval_loss"]) <= TOLERANCE
     assert run["world"] == 2 and len(run["losses"]) == len(reference) == 4
     assert len(set(reference)) == 4  # it trains
     for step, (got, want) in enumerate(zip(run["losses"], reference)):

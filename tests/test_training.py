@@ -10,12 +10,10 @@ seconds (an `import torch` per process), so the runs are few and shared by the t
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish, launch_env, launch_once
+from launching import REPO, cpctl, finish, launch_once, plain_losses
 
 SCRIPT = REPO / "scripts" / "train_llama.py"
 TRAIN_ARGS = ("--preset", "tiny", "--steps", "4", "--seq-len", "64", "--global-batch", "2")
@@ -47,11 +45,7 @@ EXPECTED_SIZES = {"cp2": (2, 2, 1), "cp4": (4, 4, 1), "dp2-cp2": (4, 2, 2), "cp2
 
 
 def plain_run(tmp: Path, *extra: str) -> dict:
-    out = tmp / "losses.json"
-    proc = subprocess.run([sys.executable, str(SCRIPT), *TRAIN_ARGS, *extra, "--losses-out", str(out)],
-                          cwd=tmp, env=launch_env(tmp), check=False, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text())
+    return plain_losses(SCRIPT, *TRAIN_ARGS, *extra, tmp_path=tmp)
 
 
 @pytest.fixture(scope="module")
