@@ -15,12 +15,12 @@ __all__ = ["Checkpointer", "CpctlError", "init", "position_ids_for_documents", "
 from cpctl.errors import CpctlError
 
 if TYPE_CHECKING:
-    from cpctl.runtime import Runtime
+    from cpctl.runtime.runtime import Runtime
 
 
 def __getattr__(name: str) -> Any:
     if name == "Checkpointer":  # imports torch: only on use
-        from cpctl.checkpoint import Checkpointer
+        from cpctl.runtime.checkpoint import Checkpointer
 
         return Checkpointer
     raise AttributeError(f"module 'cpctl' has no attribute {name!r}")
@@ -28,30 +28,34 @@ def __getattr__(name: str) -> Any:
 
 def init(**overrides: Any) -> "Runtime":
     """Start (or return) this process's cpctl runtime. See `cpctl.runtime.init`."""
-    from cpctl.runtime import init as _init
+    from cpctl.runtime.runtime import init as _init
 
     return _init(**overrides)
 
 
 def shift_labels(input_ids: Any, ignore_index: int = -100, position_ids: Any = None) -> Any:
-    from cpctl.data import shift_labels as _shift_labels
+    from cpctl.runtime.data import shift_labels as _shift_labels
 
     return _shift_labels(input_ids, ignore_index=ignore_index, position_ids=position_ids)
 
 
 def position_ids_for_documents(lengths: Any, device: Any = None) -> Any:
-    from cpctl.data import position_ids_for_documents as _position_ids_for_documents
+    from cpctl.runtime.data import (
+        position_ids_for_documents as _position_ids_for_documents,
+    )
 
     return _position_ids_for_documents(lengths, device=device)
 
 
 def position_ids_from_document_ids(document_ids: Any) -> Any:
-    from cpctl.data import position_ids_from_document_ids as _position_ids_from_document_ids
+    from cpctl.runtime.data import (
+        position_ids_from_document_ids as _position_ids_from_document_ids,
+    )
 
     return _position_ids_from_document_ids(document_ids)
 
 
 def position_ids_like(input_ids: Any) -> Any:
-    from cpctl.data import position_ids_like as _position_ids_like
+    from cpctl.runtime.data import position_ids_like as _position_ids_like
 
     return _position_ids_like(input_ids)

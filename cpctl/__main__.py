@@ -1,5 +1,5 @@
 """`python -m cpctl ...` is `cpctl ...` (for machines where the console script is not on PATH)."""
 
-from cpctl.cli import main
+from cpctl.launch.cli import main
 
 main()

@@ -9,7 +9,7 @@ class CpctlError(Exception):
     """A user-facing error: bad profile, bad flag, bad input to the runtime."""
 
 
-# How a failed worker reports its error to `cpctl launch` (written by cpctl.process, read by
-# cpctl.launcher; both import these names from here, which imports no torch):
+# How a failed worker reports its error to `cpctl launch` (written by cpctl.runtime.process, read by
+# cpctl.launch.launcher; both import these names from here, which imports no torch):
 ERROR_DIR_ENV_VAR = "CPCTL_ERROR_DIR"  # set by the launcher: a fresh directory per launch, for tracebacks
 REPORT_KEY = "cpctl"  # cpctl's part of a worker's torchelastic error file (TORCHELASTIC_ERROR_FILE)

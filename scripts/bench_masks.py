@@ -28,8 +28,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpctl.attention import ChunkLayout, context_parallel_attention
-from cpctl.documents import starts_per_row
-from cpctl.data import position_ids_for_documents
+from cpctl.runtime.documents import starts_per_row
+from cpctl.runtime.data import position_ids_for_documents
 
 
 def parse_args(argv=None):

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 import cpctl
-from cpctl.losses import chunked_linear_cross_entropy
+from cpctl.runtime.losses import chunked_linear_cross_entropy
 from llama import PRESETS, Llama, SyntheticSequences, tp_plan
 
 

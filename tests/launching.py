@@ -32,7 +32,7 @@ def launch_env(tmp_path: Path) -> dict[str, str]:
 
 def cpctl(*args: str, tmp_path: Path, cwd: Path | None = None, **popen: object) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "cpctl.cli", "launch", *args], cwd=cwd or tmp_path, env=launch_env(tmp_path),
+        [sys.executable, "-m", "cpctl.launch.cli", "launch", *args], cwd=cwd or tmp_path, env=launch_env(tmp_path),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
     )
 

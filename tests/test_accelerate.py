@@ -128,7 +128,7 @@ def test_the_dry_run_shows_what_accelerate_is_told(tmp_path: Path) -> None:
     for line in ("PARALLELISM_CONFIG_CP_SIZE", "FSDP_VERSION", "ACCELERATE_USE_PARALLELISM_CONFIG"):
         assert line in out
     assert "cpctl's engine behind accelerate's maybe_context_parallel" in out
-    assert "--module cpctl.accelerate_shim" in out
+    assert "--module cpctl.integrations.accelerate_shim" in out
 
 
 def test_sizes_set_twice_must_agree(tmp_path: Path) -> None:
@@ -155,8 +155,8 @@ def test_what_accelerate_cannot_run_is_one_line_before_any_worker(tmp_path: Path
 
 
 def test_check_says_whether_accelerate_and_transformers_are_known(tmp_path: Path) -> None:
-    from cpctl.accelerate_env import KNOWN_ACCELERATE, is_known
-    from cpctl.envinfo import run_checks
+    from cpctl.versions import KNOWN_ACCELERATE, is_known
+    from cpctl.launch.envinfo import run_checks
 
     assert is_known("1.15.2", KNOWN_ACCELERATE) and not is_known("1.16.0", KNOWN_ACCELERATE)
     assert not is_known("11.5.0", KNOWN_ACCELERATE)

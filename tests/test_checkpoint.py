@@ -85,7 +85,7 @@ def test_export_gives_a_file_a_plain_model_loads(saved_at_cp2_dp2, tmp_path: Pat
     code = f"""
 import sys, torch
 sys.path.insert(0, {str(REPO / "scripts")!r})
-from cpctl.checkpoint import export
+from cpctl.runtime.checkpoint import export
 from llama import PRESETS, Llama
 export({str(tmp / "ckpt" / f"step-{HALF:09d}")!r}, {str(tmp_path / "model.pt")!r})
 model = Llama(PRESETS["tiny"])

@@ -16,8 +16,8 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
-from cpctl import __version__, envinfo
-from cpctl.cli import PROFILE_FLAGS, app
+from cpctl import __version__, versions
+from cpctl.launch.cli import PROFILE_FLAGS, app
 from cpctl.config import PROFILE_ENV_VAR
 from launching import REPO
 
@@ -85,7 +85,7 @@ _PROBE = """
 import atexit, sys
 atexit.register(lambda: sys.__stderr__.write(
     "\\nHEAVY=" + ",".join(m for m in ("torch", "questionary") if m in sys.modules) + "\\n"))
-from cpctl.cli import main
+from cpctl.launch.cli import main
 sys.argv = ["cpctl", *sys.argv[1:]]
 main()
 """
@@ -229,8 +229,8 @@ def test_missing_module(isolated: Path) -> None:
 
 
 def test_old_torch_is_refused(script: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    real = envinfo.installed_version
-    monkeypatch.setattr(envinfo, "installed_version", lambda name: "2.5.1" if name == "torch" else real(name))
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda name: "2.5.1" if name == "torch" else real(name))
     assert_one_line_error(cpctl("launch", "--dry-run", "train.py"), "torch 2.5.1 is too old", "torch>=2.6")
     result = cpctl("check", "--device", "cpu")
     assert_one_line_error(result, "torch 2.5.1 is too old")
@@ -238,9 +238,9 @@ def test_old_torch_is_refused(script: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_torch_version_parsing() -> None:
-    assert envinfo.parse_version("2.13.0+cpu") == (2, 13)
-    assert envinfo.torch_problem("2.6.0.dev20241001") is None
-    assert "not installed" in envinfo.torch_problem(None)
+    assert versions.parse_version("2.13.0+cpu") == (2, 13)
+    assert versions.torch_problem("2.6.0.dev20241001") is None
+    assert "not installed" in versions.torch_problem(None)
 
 
 # ----------------------------------------------------------------------------- dry run

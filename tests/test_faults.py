@@ -97,7 +97,7 @@ def test_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
 def test_a_launch_leaves_nothing_in_the_temp_dir(tmp_path: Path) -> None:
     temp = tmp_path / "tmp"
     temp.mkdir()
-    done = subprocess.run([sys.executable, "-m", "cpctl.cli", "launch", "--profile", "cpu-try", str(SCRIPT),
+    done = subprocess.run([sys.executable, "-m", "cpctl.launch.cli", "launch", "--profile", "cpu-try", str(SCRIPT),
                            "--steps", "1"], cwd=tmp_path, env=launch_env(tmp_path) | {"TMPDIR": str(temp)},
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr

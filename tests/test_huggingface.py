@@ -65,7 +65,7 @@ REFUSALS = {
 def test_config_problems_name_the_setting() -> None:
     from types import SimpleNamespace
 
-    from cpctl.huggingface import _config_problems
+    from cpctl.integrations.huggingface import _config_problems
 
     assert list(_config_problems(SimpleNamespace(layer_types=["full_attention", "sliding_attention"]))) == []
     hybrid = list(_config_problems(SimpleNamespace(layer_types=["full_attention", "linear_attention"])))

@@ -21,7 +21,7 @@ import pytest
 from launching import REPO, TIMEOUT, cpctl, finish
 
 from cpctl.errors import CpctlError
-from cpctl.launcher import check_cuda_devices
+from cpctl.launch.launcher import check_cuda_devices
 
 PROBE = REPO / "tests" / "workers" / "launch_probe.py"
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from cpctl.runtime import EpochDataLoader, ResumableSampler, _same_documents
+from cpctl.runtime.loader import EpochDataLoader, ResumableSampler
+from cpctl.runtime.runtime import _same_documents
 
 
 def loader(ranks: int = 1, rank: int = 0, batch: int = 3, n: int = 10) -> EpochDataLoader:

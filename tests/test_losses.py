@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from cpctl.errors import CpctlError
-from cpctl.huggingface import _check_logits
-from cpctl.losses import chunked_linear_cross_entropy
+from cpctl.integrations.huggingface import _check_logits
+from cpctl.runtime.losses import chunked_linear_cross_entropy
 
 
 def softcap(logits: torch.Tensor) -> torch.Tensor:

@@ -18,7 +18,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cpctl import planner
-from cpctl.cli import app
+from cpctl.launch.cli import app
 from cpctl.errors import CpctlError
 from cpctl.planner import PRESETS, Setup
 from launching import REPO
@@ -30,7 +30,7 @@ CHUNKED = dataclasses.replace(AC, chunked_loss=True)
 # (model, sequence length, GPUs (all CP), options, measured peak GiB, where it was measured)
 BENCH = "docs/benchmarks.md, scripts/bench_train.py"
 HF = "transformers LlamaForCausalLM, full logits"
-PROBE = "standalone FSDP2 harness, cpctl.losses' chunked loss (2026-12)"
+PROBE = "standalone FSDP2 harness, cpctl.runtime.losses' chunked loss (2026-12)"
 MEMORY = "docs/benchmarks/memory_h200.jsonl (scripts/gpu_memory.sh)"
 SELECTIVE = dataclasses.replace(AC, checkpoint_level="selective")
 MODEL_LOSS = dataclasses.replace(AC, logits_kept=False)  # model(labels=...).loss
@@ -337,7 +337,7 @@ atexit.register(lambda: sys.__stderr__.write("\\nTORCH=" + str("torch" in sys.mo
 if sys.argv[1:] == ["import"]:
     import cpctl.planner
 else:
-    from cpctl.cli import main
+    from cpctl.launch.cli import main
     sys.argv = ["cpctl", *sys.argv[1:]]
     main()
 """

@@ -336,7 +336,7 @@ def test_a_key_declared_once_reaches_flags_env_wizard_and_dry_run(tmp_path: Path
     env = launch_env(tmp_path) | {"PYTHONPATH": str(tmp_path)}
 
     def cpctl(*args: str, **extra_env: str) -> str:
-        done = subprocess.run([sys.executable, "-m", "cpctl.cli", *args], cwd=tmp_path, env=env | extra_env,
+        done = subprocess.run([sys.executable, "-m", "cpctl.launch.cli", *args], cwd=tmp_path, env=env | extra_env,
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stdout + done.stderr
         return done.stdout

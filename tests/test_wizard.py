@@ -21,7 +21,7 @@ from rich.console import Console
 
 from cpctl import config as prof
 from cpctl.errors import CpctlError
-from cpctl.wizard import cross_check, run_config
+from cpctl.launch.wizard import cross_check, run_config
 from launching import REPO
 from test_profile import resolve_apart
 
@@ -267,7 +267,7 @@ def spawn_in_terminal(output: Path):
     """run_config in a child process on a real pseudo-terminal (stdin is a TTY: it asks)."""
     pexpect = pytest.importorskip("pexpect")
     driver = ("import sys; from pathlib import Path; from rich.console import Console; "
-              "from cpctl.wizard import run_config; "
+              "from cpctl.launch.wizard import run_config; "
               "sys.exit(run_config(output=Path(sys.argv[1]), assume_yes=False, flags={}, console=Console()))")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
     return pexpect, pexpect.spawn(sys.executable, ["-c", driver, str(output)], cwd=str(REPO), env=env,
@@ -309,7 +309,7 @@ def test_input_that_ends_early_writes_nothing(tmp_path):
 def test_cli_config_yes(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from cpctl.cli import app
+    from cpctl.launch.cli import app
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     out = tmp_path / "x.yaml"
@@ -322,7 +322,7 @@ def test_cli_config_yes(tmp_path, monkeypatch):
 def test_cli_config_without_a_tty_takes_defaults_and_refuses_bad_flags(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from cpctl.cli import app
+    from cpctl.launch.cli import app
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     out = tmp_path / "x.yaml"
@@ -358,7 +358,7 @@ def test_a_real_terminal_shows_why_an_answer_is_refused_and_ctrl_c_exits_130(tmp
 def test_an_unwritable_output_is_one_line(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from cpctl.cli import app
+    from cpctl.launch.cli import app
 
     (tmp_path / "file").write_text("")  # a file where a directory should be
     result = CliRunner().invoke(app, ["config", "--yes", "--output", str(tmp_path / "file" / "cpctl.yaml")])
@@ -369,7 +369,7 @@ def test_an_unwritable_output_is_one_line(tmp_path: Path) -> None:
 
 def test_a_file_created_while_the_wizard_is_open_is_not_replaced(tmp_path, monkeypatch):
     out = tmp_path / "p.yaml"
-    import cpctl.wizard as wizard
+    import cpctl.launch.wizard as wizard
 
     ask_all = wizard._ask_all
 

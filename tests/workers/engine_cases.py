@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from cpctl.attention import ChunkLayout, Strategy, context_parallel_attention, shard, unshard
-from cpctl.documents import place
+from cpctl.runtime.documents import place
 
 STRATEGIES = tuple(strategy.value for strategy in Strategy)
 

@@ -27,7 +27,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa_by_name  # 
 
 import cpctl
 from cpctl.attention import ChunkLayout, context_parallel_attention, shard
-from cpctl.runtime import Runtime
+from cpctl.runtime.runtime import Runtime
 
 
 def randn(seed: int, *shape: int) -> torch.Tensor:

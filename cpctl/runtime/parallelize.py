@@ -9,7 +9,6 @@ ranks: parameters are sharded over them too.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -18,8 +17,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpctl.errors import CpctlError
 from cpctl.config import Fsdp
+from cpctl.errors import CpctlError
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -79,7 +78,9 @@ def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module, *,
     SDPA routing is no longer active, and must compute attention the same way (across the CP
     group) again, or (selective level) reuse what the forward's attention returned.
     """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        checkpoint_wrapper,
+    )
 
     # Find every (parent, name) first: wrapping while walking the tree would find each
     # block again inside its own wrapper.
@@ -93,9 +94,19 @@ def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module, *,
 def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[nn.Module],
                cpu_offload: bool = False) -> None:
     try:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
     except ImportError:  # torch 2.6 keeps FSDP2 here
-        from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+        from torch.distributed._composable.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
 
     param_dtype = _DTYPES.get(fsdp.mixed_precision)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()

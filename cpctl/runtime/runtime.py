@@ -15,7 +15,6 @@ process and every parallel size is 1, so the same script runs unchanged.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -27,16 +26,16 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from cpctl import config, guards, huggingface, losses, process
-from cpctl import documents as packing
-from cpctl.attention import ChunkLayout, context_parallel_attention
-from cpctl.attention import sharding
+from cpctl import config
+from cpctl.attention import ChunkLayout, context_parallel_attention, sharding
 from cpctl.attention.dispatch import RouteSDPA
-from cpctl.envinfo import require_torch
 from cpctl.errors import CpctlError
-from cpctl.mesh import build_mesh
-from cpctl.selective import AttentionMemo
-from cpctl.parallelize import (
+from cpctl.integrations import huggingface
+from cpctl.runtime import documents as packing
+from cpctl.runtime import guards, losses, process
+from cpctl.runtime.loader import EpochDataLoader, ResumableSampler
+from cpctl.runtime.mesh import build_mesh
+from cpctl.runtime.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
     apply_tensor_parallel,
@@ -44,6 +43,9 @@ from cpctl.parallelize import (
     find_blocks,
     offload_saved_activations,
 )
+from cpctl.runtime.selective import AttentionMemo
+from cpctl.versions import require_torch
+
 
 @dataclass
 class Runtime:
@@ -305,7 +307,7 @@ class Runtime:
         """Next-token labels of a sharded (batch, local_seq) tensor, as `cpctl.shift_labels` gives
         them on the full sequence: each chunk's last token takes the next chunk's first."""
         if self.cp_size == 1:
-            from cpctl.data import shift_labels
+            from cpctl.runtime.data import shift_labels
 
             return shift_labels(labels, ignore_index=ignore_index)
         layout, chunk_len = self.layout, labels.shape[1] // len(self.layout.local_chunks)
@@ -478,51 +480,6 @@ def _same_documents(a: list, b: list) -> bool:
     """Per-row document starts, one row standing for every row of the batch."""
     rows = max(len(a), len(b))
     return (a * rows if len(a) == 1 else a) == (b * rows if len(b) == 1 else b)
-
-
-class ResumableSampler(torch.utils.data.DistributedSampler):
-    """A DistributedSampler that can start an epoch part-way, where a checkpoint left it."""
-
-    start_index = 0
-
-    def __iter__(self):
-        return itertools.islice(super().__iter__(), self.start_index, None)
-
-
-class EpochDataLoader(torch.utils.data.DataLoader):
-    """A DataLoader whose every pass is a new epoch (its sampler reshuffles), and which knows
-    where it is, for checkpoints: `state_dict()` / `load_state_dict()`.
-
-    The position is kept in samples of the whole dp batch, not in this rank's batches: a step
-    consumes the same samples whatever the layout, so a checkpoint resumes at the right sample
-    under another dp size.
-    """
-
-    _epoch = 0  # the epoch the next pass serves
-    _current = 0  # the epoch being served
-    _samples = 0  # samples of the whole dp batch served in it
-    _resume_samples = 0  # where the next pass starts, after load_state_dict
-
-    def __iter__(self):
-        ranks, per_batch = self.sampler.num_replicas, self.batch_size or 1
-        self._current, self._epoch = self._epoch, self._epoch + 1
-        self.sampler.set_epoch(self._current)
-        self.sampler.start_index = self._resume_samples // ranks
-        self._samples, self._resume_samples = self._resume_samples, 0
-        epoch_samples = len(self.sampler) * ranks  # the last batch may be short
-        for batch in super().__iter__():
-            self._samples = min(self._samples + per_batch * ranks, epoch_samples)
-            yield batch
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self._current, "samples": self._samples}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["samples"] % self.sampler.num_replicas:
-            raise CpctlError(f"the checkpoint stopped at sample {state['samples']}, which {self.sampler.num_replicas} "
-                             "dp ranks cannot split evenly; resume with a dp size that divides it")
-        self._epoch, self._resume_samples = state["epoch"], state["samples"]
-        self._current, self._samples = state["epoch"], state["samples"]  # a save before the next batch keeps it
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:

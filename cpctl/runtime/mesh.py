@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from cpctl.layout import MESH_AXES, axis_sizes
 from cpctl.config import Parallelism
+from cpctl.layout import MESH_AXES, axis_sizes
 
 # Flattened axes: "dp" (how many batches a step sees), "dp_shard_cp" (what FSDP shards over),
 # "dp_cp" (every rank that holds different tokens: loss normalisation).

@@ -7,15 +7,12 @@ This module returns data; the CLI decides how to show it.
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import platform
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpctl.errors import CpctlError
 from cpctl.config import (
     LOCAL_PROFILE,
     PROFILE_ENV_VAR,
@@ -27,43 +24,10 @@ from cpctl.config import (
     target_machine,
     user_config_dir,
 )
+from cpctl.errors import CpctlError
+from cpctl import versions
 
-MIN_TORCH = (2, 6)  # FSDP2 (fully_shard) and DTensor-based CP attention need it
 REPORTED_PACKAGES = ("cpctl", "torch", "numpy", "typer", "rich", "pyyaml", "questionary")
-
-
-def installed_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def parse_version(text: str) -> tuple[int, int]:
-    """`2.13.0+cpu` -> (2, 13); `2.6.0.dev20241001` -> (2, 6)."""
-    match = re.match(r"(\d+)\.(\d+)", text)
-    if match is None:
-        raise CpctlError(f"cannot read the version {text!r}")
-    return int(match.group(1)), int(match.group(2))
-
-
-def torch_problem(version: str | None) -> str | None:
-    """Why this torch cannot run cpctl, or None when it can."""
-    wanted = ".".join(map(str, MIN_TORCH))
-    if version is None:
-        return f"torch is not installed; install torch>={wanted} (e.g. pip install torch)"
-    if parse_version(version) < MIN_TORCH:
-        return f"torch {version} is too old; cpctl needs torch>={wanted} for FSDP2 and context parallelism (pip install -U torch)"
-    return None
-
-
-def require_torch(version: str | None = None) -> str:
-    """The installed torch version, or a CpctlError when it is missing or too old."""
-    version = installed_version("torch") if version is None else version
-    problem = torch_problem(version)
-    if problem:
-        raise CpctlError(problem)
-    return version  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------- check
@@ -101,9 +65,9 @@ def run_checks(
     except CpctlError as exc:
         checks.append(Check("profile", False, str(exc)))
 
-    torch_version = installed_version("torch")
-    problem = torch_problem(torch_version)
-    checks.append(Check(f"torch >= {'.'.join(map(str, MIN_TORCH))}", problem is None, problem or torch_version or ""))
+    torch_version = versions.installed_version("torch")
+    problem = versions.torch_problem(torch_version)
+    checks.append(Check(f"torch >= {'.'.join(map(str, versions.MIN_TORCH))}", problem is None, problem or torch_version or ""))
 
     checks.extend(_framework_checks(resolved))
     if static:
@@ -121,19 +85,18 @@ def run_checks(
 def _framework_checks(resolved: Resolved | None) -> list[Check]:
     """accelerate and transformers against the releases cpctl knows. An accelerate script needs
     a known accelerate (its workers refuse another); a transformers cpctl has not run is said."""
-    from cpctl.accelerate_env import KNOWN_ACCELERATE, KNOWN_TRANSFORMERS, is_known
 
     for_accelerate = resolved is not None and resolved.profile.launch.script_api == "accelerate"
     checks = []
-    for name, known, required in (("accelerate", KNOWN_ACCELERATE, for_accelerate),
-                                  ("transformers", KNOWN_TRANSFORMERS, False)):
-        version = installed_version(name)
+    for name, known, required in (("accelerate", versions.KNOWN_ACCELERATE, for_accelerate),
+                                  ("transformers", versions.KNOWN_TRANSFORMERS, False)):
+        version = versions.installed_version(name)
         releases = ", ".join(f"{k}.x" for k in known)
         if version is None:
             if required:
                 checks.append(Check(name, False, f"not installed; launch.script_api: accelerate needs it ({releases})"))
             continue
-        if is_known(version, known):
+        if versions.is_known(version, known):
             checks.append(Check(name, True, f"{version}, a release cpctl knows"))
         elif required:
             checks.append(Check(name, False, f"{version} is not a release cpctl knows ({releases}); install one of those"))
@@ -187,15 +150,15 @@ def active_default_profile(*, cwd: str | Path | None = None, environ: Mapping[st
     return " over ".join(found)
 
 
-def versions() -> list[tuple[str, str]]:
+def package_versions() -> list[tuple[str, str]]:
     rows = [("python", f"{platform.python_version()} ({platform.python_implementation()}, {platform.machine()})")]
-    rows += [(name, installed_version(name) or "not installed") for name in REPORTED_PACKAGES]
+    rows += [(name, versions.installed_version(name) or "not installed") for name in REPORTED_PACKAGES]
     return rows
 
 
 def devices_and_backends() -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
     """Devices and distributed backends as torch sees them (imports torch)."""
-    if installed_version("torch") is None:
+    if versions.installed_version("torch") is None:
         return [("torch", "not installed")], []
     import torch
     import torch.distributed as dist

@@ -3,7 +3,7 @@
 `cpctl launch` runs a script written for accelerate (`launch.script_api: accelerate`) with the
 variables `accelerate launch` sets for the same layout, so an unmodified `Accelerator()` (or a
 transformers `Trainer`) builds the DeviceMesh, FSDP2 and mixed precision the profile says. The
-names are the ones accelerate reads in the releases listed in KNOWN_ACCELERATE (checked in
+names are the ones accelerate reads in the releases listed in cpctl.versions.KNOWN_ACCELERATE (checked in
 accelerate/utils/launch.py, parallelism_config.py and utils/dataclasses.py); a worker refuses
 any other release rather than set names it may no longer read.
 
@@ -13,9 +13,6 @@ Torch-free: `cpctl launch --dry-run` prints these variables.
 from __future__ import annotations
 
 from typing import Any
-
-KNOWN_ACCELERATE = ("1.15",)  # major.minor releases whose variable names were checked
-KNOWN_TRANSFORMERS = ("5.17", "5.24")  # releases whose Trainer CP route was run under cpctl
 
 
 def _switch(value: bool) -> str:
@@ -50,6 +47,4 @@ def accelerate_env(profile: Any) -> dict[str, str]:
     return env
 
 
-def is_known(version: str, known: tuple[str, ...]) -> bool:
-    """Whether `version` ("1.15.0", "5.24.0.dev0") is one of the `known` major.minor releases."""
-    return ".".join(version.split(".")[:2]) in known
+#END

@@ -1,6 +1,6 @@
 """How cpctl shows its plans: the launch plan of `--dry-run` and the memory plan of `cpctl plan`.
 
-Presentation only (rich tables on stdout); the plans themselves come from cpctl.launcher and
+Presentation only (rich tables on stdout); the plans themselves come from cpctl.launch.launcher and
 cpctl.planner.
 """
 
@@ -13,10 +13,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from cpctl.config.layers import PROFILE_ENV_VAR
-from cpctl.accelerate_env import accelerate_env
+from cpctl.launch.accelerate_env import accelerate_env
 
 if TYPE_CHECKING:
-    from cpctl.launcher import Plan
+    from cpctl.launch.launcher import Plan
 
 MESH_HEAD_ROWS, MESH_TAIL_ROWS = 16, 4  # larger worlds print the first and last ranks only
 
@@ -126,7 +126,7 @@ def note_without_cp(profile) -> None:
 
 
 def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None) -> None:
-    from cpctl.envinfo import describe
+    from cpctl.launch.envinfo import describe
     from cpctl.layout import MESH_AXES, mesh_table
 
     out = _stdout()

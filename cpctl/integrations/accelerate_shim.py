@@ -1,7 +1,7 @@
-"""The worker's entry point for an accelerate script: `python -m cpctl.accelerate_shim SCRIPT ARGS...`.
+"""The worker's entry point for an accelerate script: `python -m cpctl.integrations.accelerate_shim SCRIPT ARGS...`.
 
 `cpctl launch` starts it for `launch.script_api: accelerate` (accelerate's variables are already
-in the environment, see cpctl.accelerate_env). Before the script runs, cpctl's steps go in front
+in the environment, see cpctl.launch.accelerate_env). Before the script runs, cpctl's steps go in front
 of accelerate's (or in place of them), only in this process:
 
 * `Accelerator.__init__`: the Accelerator's parallel sizes must be the profile's (a script that
@@ -29,14 +29,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cpctl import config, huggingface
-from cpctl.accelerate_env import KNOWN_ACCELERATE, is_known
+from cpctl import config
 from cpctl.errors import CpctlError
+from cpctl.integrations import huggingface
+from cpctl.versions import KNOWN_ACCELERATE, is_known
 
 
 def main(argv: Sequence[str]) -> None:
     if not argv or argv == ["-m"]:
-        raise SystemExit("usage: python -m cpctl.accelerate_shim SCRIPT [ARGS...] | -m MODULE [ARGS...]")
+        raise SystemExit("usage: python -m cpctl.integrations.accelerate_shim SCRIPT [ARGS...] | -m MODULE [ARGS...]")
     import cpctl
 
     profile = _profile()
@@ -221,7 +222,7 @@ def _averages_gradients(model: Any) -> bool:
 
 def _closing(destroy: Any) -> Any:
     """accelerate's destroy of the default process group, done as cpctl's exit does it."""
-    from cpctl import process
+    from cpctl.runtime import process
 
     @functools.wraps(destroy)
     def close(self, group=None):

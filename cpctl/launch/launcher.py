@@ -33,16 +33,16 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from cpctl import envinfo
-from cpctl.accelerate_env import accelerate_env
-from cpctl.errors import ERROR_DIR_ENV_VAR, REPORT_KEY, CpctlError
 from cpctl.config import PROFILE_ENV_VAR, Profile, Resolved
+from cpctl.errors import ERROR_DIR_ENV_VAR, REPORT_KEY, CpctlError
+from cpctl import versions
+from cpctl.launch.accelerate_env import accelerate_env
 
 # torchrun reads the per-line prefix template of tee'd worker output from this variable.
 LOG_PREFIX_ENV_VAR = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 LOG_PREFIX = "[rank${rank}]: "
 TEE_ALL = "3"  # stdout and stderr of every local rank, to console (prefixed) and to log files
-ACCELERATE_SHIM = "cpctl.accelerate_shim"  # each worker's entry point for an accelerate script
+ACCELERATE_SHIM = "cpctl.integrations.accelerate_shim"  # each worker's entry point for an accelerate script
 
 
 class LaunchError(CpctlError):
@@ -86,7 +86,7 @@ def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], 
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}"]
     argv.append(f"--tee={TEE_ALL}")  # tee'd output is what torchrun prefixes with the rank
     if profile.launch.script_api == "accelerate":
-        # cpctl's steps go in front of accelerate's first, then the script runs (cpctl.accelerate_shim).
+        # cpctl's steps go in front of accelerate's first, then the script runs (cpctl.integrations.accelerate_shim).
         return [*argv, "--module", ACCELERATE_SHIM, *(["-m"] if module else []), target, *target_args]
     if module:
         argv.append("--module")
@@ -119,7 +119,7 @@ def prepare(
         _check_module(target, cwd=cwd)
     else:
         _check_script(target, cwd=cwd)
-    envinfo.require_torch()
+    versions.require_torch()
     profile = resolved.profile
     return Plan(
         resolved=resolved,
@@ -144,7 +144,7 @@ def launch(plan: Plan) -> None:
 
         check_cuda_devices(profile.launch.nproc_per_node, device_count=torch.cuda.device_count(), environ=os.environ)
     # One directory per launch: each worker writes its traceback here when it fails (see
-    # cpctl.process), and torchrun its logs (else it leaves a torchelastic_* directory in /tmp
+    # cpctl.runtime.process), and torchrun its logs (else it leaves a torchelastic_* directory in /tmp
     # every time). Removed after a launch that went well; kept, and named, after a failure.
     error_dir = tempfile.mkdtemp(prefix="cpctl-")
     argv = [f"--log-dir={Path(error_dir) / 'torchrun'}", *plan.torchrun_args]
@@ -215,7 +215,7 @@ def _run_torchrun(argv: list[str], *, nnodes: int = 1) -> None:
 
 
 def _worker_failure(exc: object) -> LaunchError:
-    """The root cause, once: its rank and message (from the worker's report, see cpctl.process),
+    """The root cause, once: its rank and message (from the worker's report, see cpctl.runtime.process),
     where its traceback is, and the exit line. cpctl exits with that worker's own code."""
     failures = exc.failures  # type: ignore[attr-defined]
     rank, failure = _root_cause(failures)
@@ -397,7 +397,9 @@ def _join_timeout(rdzv_conf: str) -> int:
     if settings.get("join_timeout", "").strip().isdigit():
         return int(settings["join_timeout"])
     try:
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+            RendezvousTimeout,
+        )
 
         return round(RendezvousTimeout().join.total_seconds())
     except Exception:

@@ -23,9 +23,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from cpctl import __version__, views
-from cpctl.errors import CpctlError
+from cpctl import __version__
 from cpctl.config.schema import KEYS, Key
+from cpctl.errors import CpctlError
+from cpctl.launch import views
 
 
 class _Switches:
@@ -171,7 +172,7 @@ def config(
     flags: dict[str, str],
 ) -> None:
     """Write a profile with an interactive wizard (questionary). Flags preset answers."""
-    from cpctl import wizard  # questionary is imported by the wizard only
+    from cpctl.launch import wizard  # questionary is imported by the wizard only
 
     with user_errors():
         code = wizard.run_config(output=output, assume_yes=yes, flags=flags, console=_stdout())
@@ -198,8 +199,8 @@ def launch(
     Profile options and --dry-run may come before or after SCRIPT; every other argument after
     SCRIPT, and everything after `--`, goes to the script.
     """
-    from cpctl import launcher
     from cpctl.config import preview, resolve
+    from cpctl.launch import launcher
 
     with user_errors():
         if script is None:
@@ -241,7 +242,7 @@ def check(
     flags: dict[str, str],
 ) -> None:
     """Validate a profile and this environment without launching; exit 0 when all is fine."""
-    from cpctl import envinfo
+    from cpctl.launch import envinfo
 
     with user_errors():
         _, checks = envinfo.run_checks(flags=flags, config=config, profile_name=profile, static=static)
@@ -262,11 +263,11 @@ def check(
 @app.command(cls=_Command)
 def env() -> None:
     """Versions, devices, backends and the active default profile."""
-    from cpctl import envinfo
+    from cpctl.launch import envinfo
 
     devices, backends = envinfo.devices_and_backends()
     sections = [
-        ("versions", envinfo.versions()),
+        ("versions", envinfo.package_versions()),
         ("devices", devices),
         ("backends", backends),
         ("profile", envinfo.profile_context()),

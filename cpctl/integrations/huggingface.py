@@ -30,7 +30,7 @@ from torch import nn
 from cpctl.errors import CpctlError
 
 if TYPE_CHECKING:
-    from cpctl.runtime import Runtime
+    from cpctl.runtime.runtime import Runtime
 
 IMPLEMENTATION = "cpctl"
 # Layer kinds (config.layer_types) that call the attention function; anything else mixes
@@ -118,7 +118,7 @@ def _register() -> None:
 
 
 def _active() -> Runtime | None:
-    from cpctl.runtime import active_runtime
+    from cpctl.runtime.runtime import active_runtime
 
     return active_runtime()
 
@@ -290,7 +290,7 @@ def causal_lm_loss(model: nn.Module, runtime: Runtime, *, input_ids: torch.Tenso
     """The model's causal-LM loss (the global token mean) from its final hidden states and its
     output embedding, chunk by chunk: the full logits are never built. `labels` as for
     `model(labels=...)`: unshifted, sharded like `input_ids` under CP."""
-    from cpctl.losses import chunked_linear_cross_entropy
+    from cpctl.runtime.losses import chunked_linear_cross_entropy
 
     head = model.get_output_embeddings()
     decoder = _decoder(model)
@@ -322,7 +322,7 @@ def _decoder(model: nn.Module) -> nn.Module | None:
 
 
 def _shift(labels: torch.Tensor) -> torch.Tensor:
-    from cpctl.data import shift_labels
+    from cpctl.runtime.data import shift_labels
 
     return shift_labels(labels, ignore_index=IGNORE_INDEX)
 

@@ -1,0 +1,2 @@
+"""The integrations with other libraries (transformers, accelerate): below the runtime, seen by it
+through narrow interfaces."""
