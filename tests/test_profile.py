@@ -369,13 +369,10 @@ ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
     ("version: 1\n# " + "x" * (1 << 20) + "\n", "is not a profile (at most 65,536)"),
     ('parallelism:\n  cp_size: "' + "y" * 5000 + '"\n', "parallelism.cp_size: 'yyyyy"),
 ])
-def test_hostile_profiles_are_refused_at_once_in_one_short_line(tmp_path: Path, text: str, expected: str) -> None:
-    import time
-
+def test_hostile_profiles_are_refused_in_one_short_line(tmp_path: Path, text: str, expected: str) -> None:
+    # Each is refused by what it is (aliases, depth, size) before anything expands it.
     path = write(tmp_path / "p.yaml", text)
-    start = time.perf_counter()
     message = error_of(tmp_path, config=str(path))
-    assert time.perf_counter() - start < 1.0
     assert expected in message and len(message) < 400
 
 
@@ -413,3 +410,42 @@ def test_selective_level_needs_checkpointing(tmp_path: Path) -> None:
                                    "fsdp.activation_checkpointing": "true"})
     bad = error_of(tmp_path, flags={"memory.checkpoint_level": "some", "launch.device": "cpu"})
     assert "'some' is not allowed for memory.checkpoint_level; expected full or selective" in bad
+
+
+class _Reads(dict):
+    """A flat profile that records which key paths a rule looks at."""
+
+    def __init__(self, values: dict) -> None:
+        super().__init__(values)
+        self.read: set[str] = set()
+
+    def __getitem__(self, path: str):
+        self.read.add(path)
+        return super().__getitem__(path)
+
+    def get(self, path: str, default=None):
+        self.read.add(path)
+        return super().get(path, default)
+
+    def __contains__(self, path: object) -> bool:
+        self.read.add(str(path))
+        return super().__contains__(path)
+
+
+@pytest.mark.parametrize("layout", [
+    {},
+    {"parallelism": {"cp_size": 2}, "launch": {"device": "cpu", "nproc_per_node": 2}},
+    {"parallelism": {"cp_size": 4, "dp_shard_size": 2}, "launch": {"device": "cuda", "nproc_per_node": 8},
+     "fsdp": {"activation_checkpointing": True}, "memory": {"offload_activations": True}},
+    {"launch": {"script_api": "accelerate", "device": "cpu", "nproc_per_node": 2}, "parallelism": {"cp_size": 2}},
+])
+def test_each_rule_reads_only_the_keys_it_declares(layout: dict) -> None:
+    from cpctl.config.rules import RULES, Machine, fill_auto
+    from cpctl.config.schema import flatten
+
+    values, _ = fill_auto(P.DEFAULTS | flatten(layout), machine=Machine(cuda_devices=8))
+    for rule in RULES:
+        seen = _Reads(values)
+        rule.problem(seen, Machine(cuda_devices=8))
+        undeclared = seen.read - set(rule.keys) - set(rule.also_reads)
+        assert not undeclared, f"{rule.problem.__name__} reads {sorted(undeclared)} without declaring them"

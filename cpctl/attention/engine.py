@@ -12,7 +12,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from cpctl.attention import allgather, ring
+import cpctl.attention.allgather as allgather
+import cpctl.attention.ring as ring
 from cpctl.attention.kernels import seq_major
 from cpctl.attention.masks import Mask
 from cpctl.attention.sharding import ChunkLayout

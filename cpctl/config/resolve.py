@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cpctl.config import layers as L
+import cpctl.config.layers as L
 from cpctl.config.rules import Machine, detect_machine, fill_auto, first_problem, target_machine
 from cpctl.config.schema import AUTO, DEFAULTS, KEYS, Flat, Profile
 from cpctl.errors import CpctlError

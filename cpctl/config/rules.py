@@ -96,6 +96,7 @@ class Rule:
     keys: tuple[str, ...]  # applied once all of these are known
     problem: Callable[[Mapping[str, Any], Machine | None], str | None]
     needs_machine: bool = False
+    also_reads: tuple[str, ...] = ()  # read when known, without waiting for them
 
 
 def _sizes_fit_world(v: Mapping[str, Any], machine: Machine | None) -> str | None:
@@ -228,7 +229,7 @@ def _accelerate_limits(v: Mapping[str, Any], machine: Machine | None) -> str | N
 RULES = (
     Rule(("launch.device", "launch.nproc_per_node"), _nproc_counts_gpus),
     Rule(("launch.device", "launch.nproc_per_node"), _gpus_visible, needs_machine=True),
-    Rule(("launch.nnodes", "launch.nproc_per_node"), _sizes_fit_world),
+    Rule(("launch.nnodes", "launch.nproc_per_node"), _sizes_fit_world, also_reads=tuple(AXES)),
     Rule(("parallelism.cp_size", "fsdp.version"), _cp_needs_fsdp2),
     Rule(("parallelism.cp_size", "attention"), _cp_needs_sdpa),
     Rule(("launch.node_rank", "launch.nnodes"), _node_rank_in_range),

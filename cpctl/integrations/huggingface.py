@@ -62,6 +62,8 @@ def prepare(model: nn.Module, runtime: Runtime) -> bool:
     problems = list(_config_problems(config))
     if problems:
         raise CpctlError(f"{type(model).__name__} cannot run under context parallelism: {problems[0]}")
+    global _runtime
+    _runtime = runtime
     _register()
     model.set_attn_implementation(IMPLEMENTATION)
     if model.config._attn_implementation != IMPLEMENTATION:
@@ -117,10 +119,13 @@ def _register() -> None:
 # ---------------------------------------------------------------------------- masks and attention
 
 
-def _active() -> Runtime | None:
-    from cpctl.runtime.runtime import active_runtime
+# The runtime, handed down by prepare(): this module sits below the runtime and never imports it.
+_runtime: Runtime | None = None
 
-    return active_runtime()
+
+def _active() -> Runtime | None:
+    """The runtime while its maybe_context_parallel routes attention, else None."""
+    return _runtime if _runtime is not None and _runtime.cp_active else None
 
 
 PADDING = ("an attention_mask with padding under context parallelism; CP shards one unpadded sequence per row: "

@@ -494,12 +494,6 @@ _RUNTIME: Runtime | None = None
 _INIT_OVERRIDES: dict[str, Any] = {}
 
 
-def active_runtime() -> Runtime | None:
-    """The runtime while its maybe_context_parallel routes attention (cp_size > 1, or packed
-    documents at cp_size 1), else None."""
-    return _RUNTIME if _RUNTIME is not None and _RUNTIME.cp_active else None
-
-
 def init(**overrides: Any) -> Runtime:
     """Start this process's runtime once; later calls return the same one.
 
