@@ -85,12 +85,14 @@ def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], 
         # torchrun honours --node-rank only for its static backend and warns that it ignores it.
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}"]
     argv.append(f"--tee={TEE_ALL}")  # tee'd output is what torchrun prefixes with the rank
+    # `--` ends torchrun's options: its parser would otherwise read the script's own options
+    # (`--log` as an abbreviation of its --log-dir, `--nnodes` as its own).
     if profile.launch.script_api == "accelerate":
         # cpctl's steps go in front of accelerate's first, then the script runs (cpctl.accelerate_shim).
-        return [*argv, "--module", ACCELERATE_SHIM, *(["-m"] if module else []), target, *target_args]
+        return [*argv, "--module", "--", ACCELERATE_SHIM, *(["-m"] if module else []), target, *target_args]
     if module:
         argv.append("--module")
-    return [*argv, target, *target_args]
+    return [*argv, "--", target, *target_args]
 
 
 def worker_env(profile: Profile, *, environ: Mapping[str, str]) -> dict[str, str]:

@@ -125,7 +125,14 @@ def note_without_cp(profile) -> None:
                         "(pass --cp-size N, or a profile such as --profile cpu-try)", soft_wrap=True)
 
 
-def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None) -> None:
+SCRIPT_APIS = {
+    "cpctl": "a cpctl script: its cpctl.init() reads the profile",
+    "accelerate": "an accelerate script: the profile becomes accelerate's environment, the worker starts in "
+                  "cpctl.accelerate_shim",
+}
+
+
+def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None, notes: list[str] = ()) -> None:
     from cpctl.envinfo import describe
     from cpctl.layout import MESH_AXES, mesh_table
 
@@ -142,6 +149,11 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None) -> N
         shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
         profile_table.add_row(path, escape(shown), escape(source))
     out.print(profile_table)
+    for note in notes:
+        out.print(f"[dim]{escape(note)}[/]", soft_wrap=True)
+    api, source = resolved.profile.launch.script_api, resolved.sources.get("launch.script_api", "default")
+    why = f"auto: {source[len('auto ('):-1]}" if source.startswith("auto (") else source
+    out.print(f"[bold]Script[/]: {SCRIPT_APIS[api]} (launch.script_api {api}; {escape(why)})", soft_wrap=True)
 
     profile = resolved.profile
     world, nproc = profile.world_size, profile.launch.nproc_per_node

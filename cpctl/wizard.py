@@ -176,7 +176,7 @@ def _ask_all(ask: _Asker) -> None:
     key reaches the wizard with its declaration alone.
     """
     answers, machine = ask.answers, ask.machine
-    ask.select("launch.script_api", default="cpctl")
+    ask.select("launch.script_api", default=AUTO)
     here = f"cuda here, {machine.cuda_devices} GPUs visible" if machine.cuda_devices else "cpu here, no GPU visible"
     ask.select("launch.device", default=AUTO, extra={AUTO: f"auto  cuda if a GPU is visible ({here})"})
 

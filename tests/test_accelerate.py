@@ -128,7 +128,7 @@ def test_the_dry_run_shows_what_accelerate_is_told(tmp_path: Path) -> None:
     for line in ("PARALLELISM_CONFIG_CP_SIZE", "FSDP_VERSION", "ACCELERATE_USE_PARALLELISM_CONFIG"):
         assert line in out
     assert "cpctl's engine behind accelerate's maybe_context_parallel" in out
-    assert "--module cpctl.accelerate_shim" in out
+    assert "--module -- cpctl.accelerate_shim" in out
 
 
 def test_sizes_set_twice_must_agree(tmp_path: Path) -> None:

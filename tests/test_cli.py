@@ -50,8 +50,9 @@ def table_rows(text: str) -> dict[str, list[str]]:
 
 @pytest.fixture
 def script(isolated: Path) -> Path:
+    """A cpctl script (its source calls cpctl.init(), so `launch.script_api: auto` is cpctl)."""
     path = isolated / "train.py"
-    path.write_text("print('hi')\n")
+    path.write_text("import cpctl\n\nrt = cpctl.init()\n")
     return path
 
 
@@ -124,8 +125,17 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
         "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine",
     }
+    # accelerate launch's flags for what cpctl has, in both of accelerate's spellings
+    accelerate = {
+        "--parallelism-config-dp-replicate-size", "--parallelism-config-dp-shard-size", "--parallelism-config-tp-size",
+        "--parallelism-config-cp-size", "--parallelism-config-cp-comm-strategy", "--parallelism-config-cp-backend",
+        "--num-processes", "--num-machines", "--machine-rank", "--main-process-ip", "--main-process-port",
+        "--max-restarts", "--cpu", "--multi-gpu", "--mixed-precision", "--fsdp-version", "--fsdp-reshard-after-forward",
+        "--fsdp-activation-checkpointing", "--fsdp-offload-params", "--use-fsdp", "--use-parallelism-config",
+    }
+    accelerate |= {"--" + name[2:].replace("-", "_") for name in accelerate}
     own = {
-        "launch": {"--module", "-m", "--config", "-c", "--profile", "-p", "--dry-run", "--help"},
+        "launch": {"--module", "-m", "--config", "-c", "--profile", "-p", "--dry-run", "--help"} | accelerate,
         "check": {"--config", "-c", "--profile", "-p", "--static", "--help"},
         "config": {"--output", "-o", "--yes", "-y", "--help"},
     }
@@ -262,7 +272,7 @@ def test_dry_run_shows_profile_sources_mesh_and_command(script: Path) -> None:
         ["0", "0", "0", "0", "0", "0"], ["0", "1", "0", "0", "1", "0"],
         ["0", "2", "0", "1", "0", "0"], ["0", "3", "0", "1", "1", "0"],
     ]
-    assert "torchrun --nnodes=1 --nproc-per-node=4 --max-restarts=0 --standalone --tee=3 train.py --steps 5" in out
+    assert "torchrun --nnodes=1 --nproc-per-node=4 --max-restarts=0 --standalone --tee=3 -- train.py --steps 5" in out
     assert f"{PROFILE_ENV_VAR}='{{\"version\":1," in out
 
 
@@ -270,7 +280,7 @@ def test_dry_run_multi_node(script: Path) -> None:
     result = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--node-rank", "1",
                    "--rdzv-endpoint", "10.0.0.1:29400", "--nproc-per-node", "2", "--cp-size", "4", "train.py")
     assert result.exit_code == 0, result.output
-    assert "torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=0 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 --tee=3 train.py" in result.stdout
+    assert "torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=0 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 --tee=3 -- train.py" in result.stdout
     assert "--standalone" not in result.stdout
 
 
@@ -298,22 +308,35 @@ def test_dry_run_with_a_module(isolated: Path) -> None:
     (isolated / "pkg" / "train.py").write_text("")
     result = cpctl("launch", "--dry-run", "-m", "pkg.train", "--lr", "1")
     assert result.exit_code == 0, result.output
-    assert "--tee=3 --module pkg.train --lr 1" in result.stdout
+    assert "--tee=3 --module -- pkg.train --lr 1" in result.stdout
 
 
-def test_cpctl_options_after_the_script_apply_as_spec_writes_them(script: Path) -> None:
-    # `cpctl launch train.py --cp-size 8` works as written; a `--` hands the rest to the script untouched.
-    result = cpctl("launch", "train.py", "--cp-size", "2", "--lr", "1", "--dry-run", "--", "--cp-size", "9")
+def test_everything_after_the_script_is_the_scripts(script: Path, torchrun: TorchrunSpy) -> None:
+    # as with torchrun, accelerate launch and python: a cpctl option after SCRIPT, a `--`, an
+    # abbreviation of a torchrun option (`--log`) all reach the script unchanged
+    after = ["--log", "x", "--nnodes", "3", "--cp-size", "8", "--dry-run", "--", "--config", "y"]
+    result = cpctl("launch", "--device", "cpu", "train.py", *after)
     assert result.exit_code == 0, result.output
-    assert "parallelism.cp_size" in result.stdout and "flag --cp-size" in result.stdout
-    assert "train.py --lr 1 --cp-size 9" in result.stdout  # the script keeps its own arguments
-    assert "note: --cp-size, --dry-run after the script taken as cpctl options" in result.stderr
+    [(args, environ)] = torchrun.calls
+    assert (args.training_script, args.training_script_args) == ("train.py", after)
+    sent = json.loads(environ[PROFILE_ENV_VAR])
+    assert (sent["launch"]["nnodes"], sent["parallelism"]["cp_size"]) == (1, 1)  # cpctl took none of them
+    # train.py mentions none of cpctl's options: a note says where they were meant to go
+    note = " ".join(result.stderr.split())
+    assert ("note: --nnodes, --cp-size, --dry-run after train.py go to the script, which does not mention them; "
+            "cpctl's options go before SCRIPT: cpctl launch --nnodes 3 --cp-size 8 --dry-run train.py ...") in note
 
 
-def test_a_trailing_cpctl_option_without_its_value_is_one_line(script: Path) -> None:
-    result = cpctl("launch", "train.py", "--cp-size")
-    assert result.exit_code == 2
-    assert result.stderr.strip().splitlines() == ["error: --cp-size needs a value, e.g. --cp-size 2"]
+def test_no_note_for_options_the_script_takes(script: Path) -> None:
+    script.write_text("import argparse, cpctl\nargparse.ArgumentParser().add_argument('--nnodes')\ncpctl.init()\n")
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "train.py", "--nnodes", "3")
+    assert result.exit_code == 0, result.output
+    assert "note:" not in result.stderr and "-- train.py --nnodes 3" in result.stdout
+
+
+def test_a_misspelt_option_before_the_script_is_one_line(script: Path) -> None:
+    assert_one_line_error(cpctl("launch", "--cp-sise", "2", "train.py", "--lr", "1"),
+                          "--cp-sise: unknown option; did you mean --cp-size?")
 
 
 # ----------------------------------------------------------------------------- the launcher boundary

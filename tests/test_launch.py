@@ -36,18 +36,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+SCRIPT_ARGS = ["--extra", "7", "--nnodes", "3", "--log", "x"]  # `--log`: an abbreviation of torchrun's --log-dir
+
+
 def test_two_cpu_workers_get_their_ranks_and_the_profile(tmp_path: Path) -> None:
     out_dir = tmp_path / "out"
+    # the probe reads the profile itself, without cpctl.init(): its API is named, or cp 2 would be refused
     code, out, err = finish(cpctl(
         "--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--cp-comm-strategy", "alltoall",
-        str(PROBE), "--out", str(out_dir), "--extra", "7", tmp_path=tmp_path,
+        "--script-api", "cpctl", str(PROBE), "--out", str(out_dir), *SCRIPT_ARGS, tmp_path=tmp_path,
     ))
     assert code == 0, out + err
     ranks = records(out_dir)
     assert sorted(ranks) == [0, 1]
     for rank, record in ranks.items():
         assert (record["world_size"], record["local_rank"]) == (2, rank)
-        assert record["extra_args"] == ["--extra", "7"]  # script args pass through untouched
+        assert record["extra_args"] == SCRIPT_ARGS  # script args pass through untouched, torchrun's names too
         par = record["profile"]["parallelism"]
         assert (par["cp_size"], par["dp_shard_size"], par["cp_comm_strategy"]) == (2, 1, "alltoall")
         expected = {"device": "cpu", "nnodes": 1, "nproc_per_node": 2, "node_rank": 0, "rdzv_endpoint": None,

@@ -178,8 +178,21 @@ def text_layer(texts: Mapping[str, Any], *, source_of: Callable[[Key], str]) -> 
     return Layer(values, {path: source_of(KEYS[path]) for path in values})
 
 
+class FlagText(str):
+    """A flag's text that says which flag it came from, when that is not the key's own `--<key>`
+    (accelerate's spelling of a key: `--parallelism-config-cp-size`, see cpctl.accelerate_flags)."""
+
+    source: str
+
+    def __new__(cls, text: str, *, source: str) -> FlagText:
+        made = super().__new__(cls, text)
+        made.source = source
+        return made
+
+
 def flag_layer(flags: Mapping[str, Any]) -> Layer:
-    return text_layer({p: v for p, v in flags.items() if v is not None}, source_of=lambda k: f"flag {k.flag}")
+    given = {p: v for p, v in flags.items() if v is not None}
+    return text_layer(given, source_of=lambda k: getattr(given[k.path], "source", f"flag {k.flag}"))
 
 
 def env_layer(environ: Mapping[str, str]) -> Layer:

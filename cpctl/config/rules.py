@@ -12,9 +12,12 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpctl.config.schema import AUTO, CPU_DEFAULT_NPROC, KEYS, Flat
+
+if TYPE_CHECKING:
+    from cpctl.script_api import ScriptUse
 
 STATIC_GPUS_PER_NODE = 8  # the node a cuda profile with nproc_per_node auto is checked against, away from it
 
@@ -54,10 +57,21 @@ def target_machine(values: Mapping[str, Any], *, detected: Machine) -> tuple[Mac
 # ----------------------------------------------------------------------------- auto
 
 
-def fill_auto(values: Mapping[str, Any], *, machine: Machine) -> tuple[Flat, dict[str, str]]:
+def fill_auto(values: Mapping[str, Any], *, machine: Machine,
+              script: ScriptUse | None = None) -> tuple[Flat, dict[str, str]]:
     """Every `auto` among `values` that the known values decide, and why; others stay `auto`
-    (the rules then say what is wrong)."""
+    (the rules then say what is wrong). `launch.script_api` is decided by the script's source
+    (`script`, which raises CpctlError when it cannot decide); without a script, it is cpctl's."""
     filled, why = dict(values), {}
+    if filled.get("launch.script_api") == AUTO and isinstance(filled.get("parallelism.cp_size"), int):
+        if script is not None:
+            api, reason = script.route(cp_size=filled["parallelism.cp_size"])
+        elif filled.get("parallelism.cp_engine") == "native":
+            api, reason = "accelerate", "cp_engine native is accelerate's"
+        else:
+            api, reason = "cpctl", "no script to read"
+        filled["launch.script_api"] = api
+        why["launch.script_api"] = f"auto ({reason})"
     device = filled.get("launch.device")
     if device == AUTO:
         device = filled["launch.device"] = "cuda" if machine.cuda_devices > 0 else "cpu"
