@@ -71,11 +71,12 @@ def main() -> None:
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
+        local_tokens = batch["input_ids"].shape[1]  # sharded in place (not restored) under CP
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
         accelerator.print(f"step {len(losses) - 1}  loss {losses[-1]:.6f}")
     if accelerator.is_main_process and args.losses_out:
         with open(args.losses_out, "w") as f:
-            json.dump({"losses": losses, "world": accelerator.num_processes}, f)
+            json.dump({"losses": losses, "world": accelerator.num_processes, "local_tokens": local_tokens}, f)
     accelerator.end_training()
 
 

@@ -102,6 +102,7 @@ main()
         ["check", "--help"],
         ["env", "--help"],
         ["launch", "--dry-run", "--cp-size", "2", "train.py", "--steps", "5"],
+        ["launch", "--dry-run", "--num-processes", "2", "--parallelism-config-cp-size", "2", "train.py"],
         ["check", "--static", "--profile", "cp8-allgather"],
     ],
     ids=lambda args: " ".join(args[:2]),
@@ -274,6 +275,26 @@ def test_dry_run_shows_profile_sources_mesh_and_command(script: Path) -> None:
     ]
     assert "torchrun --nnodes=1 --nproc-per-node=4 --max-restarts=0 --standalone --tee=3 -- train.py --steps 5" in out
     assert f"{PROFILE_ENV_VAR}='{{\"version\":1," in out
+
+
+def test_the_dry_run_says_which_api_the_script_uses_and_why(isolated: Path) -> None:
+    write(isolated / "acc.py", "from accelerate import Accelerator\naccelerator = Accelerator()\n")
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--cp-size", "2", "acc.py", "--lr", "1")
+    assert result.exit_code == 0, result.output
+    assert table_rows(result.stdout)["launch.script_api"] == ["accelerate", "auto (acc.py:2 builds an Accelerator)"]
+    assert "Script: an accelerate script" in result.stdout and "(launch.script_api accelerate; auto: acc.py:2" in result.stdout
+    assert "--tee=3 --module -- cpctl.accelerate_shim acc.py --lr 1" in result.stdout
+
+
+def test_a_script_of_neither_api_is_refused_under_cp(isolated: Path) -> None:
+    write(isolated / "plain.py", "import torch.distributed as dist\ndist.init_process_group('gloo')\n")
+    assert_one_line_error(cpctl("launch", "--dry-run", "--device", "cpu", "--cp-size", "2", "plain.py"),
+                          "plain.py: neither cpctl.init() nor an Accelerator or Trainer found (read 1 file)",
+                          "pass --script-api cpctl")
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "plain.py")  # no CP: nothing to set up wrongly
+    assert result.exit_code == 0 and table_rows(result.stdout)["launch.script_api"][0] == "cpctl"
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--cp-size", "2", "--script-api", "cpctl", "plain.py")
+    assert result.exit_code == 0 and table_rows(result.stdout)["launch.script_api"] == ["cpctl", "flag --script-api"]
 
 
 def test_dry_run_multi_node(script: Path) -> None:
