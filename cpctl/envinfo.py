@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpctl.errors import CpctlError
+from cpctl.config.rules import gpus
 from cpctl.config import (
     LOCAL_PROFILE,
     PROFILE_ENV_VAR,
@@ -162,7 +163,7 @@ def _device_checks(resolved: Resolved) -> list[Check]:
         devices = Check(
             "devices",
             count >= launch.nproc_per_node,
-            f"{count} GPUs usable by torch, {launch.nproc_per_node} needed per node",
+            f"{gpus(count)} usable by torch, {launch.nproc_per_node} needed per node",
         )
         backend_name, available = "nccl", dist.is_available() and dist.is_nccl_available()
     else:

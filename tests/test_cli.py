@@ -369,10 +369,15 @@ class TorchrunSpy:
 
     def __init__(self, raises: BaseException | None = None) -> None:
         self.raises = raises
+        self.writes: dict[str, str] = {}  # files the "workers" leave in CPCTL_ERROR_DIR
         self.calls: list[tuple[object, dict[str, str]]] = []
 
     def __call__(self, args: object) -> None:
         self.calls.append((args, dict(os.environ)))
+        for name, text in self.writes.items():
+            path = Path(os.environ["CPCTL_ERROR_DIR"]) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
         if self.raises is not None:
             raise self.raises
 
@@ -449,6 +454,29 @@ def test_launch_failures_exit_with_the_workers_code(script: Path, torchrun: Torc
     torchrun.raises = raised()
     result = cpctl("launch", "--device", "cpu", "--nproc-per-node", "2", "train.py")
     assert_one_line_error(result, *fragments, code=code)
+
+
+@pytest.mark.parametrize(("raised", "left"), [
+    (None, []),
+    (lambda: SystemExit(2), []),  # e.g. torchrun's own parser refusing its argv
+    (lambda: RuntimeError("the agent broke"), []),
+    (lambda: _child_failed((1, 3)), []),  # a worker exited: no traceback file
+    (lambda: _child_failed((1, 1)), ["rank1-traceback.txt"]),  # ... named by the error: kept, alone
+])
+def test_a_launch_leaves_only_the_traceback_files_it_names(script: Path, torchrun: TorchrunSpy, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch, raised, left: list[str]) -> None:
+    import tempfile
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    torchrun.raises = raised() if raised else None
+    torchrun.writes = {"torchrun/attempt_0/1/stderr.log": "what the console showed"}
+    if left:
+        torchrun.writes |= {name: "Traceback (most recent call last):" for name in left}
+    cpctl("launch", "--device", "cpu", "--nproc-per-node", "2", "train.py")
+    kept = list(temp.glob("cpctl-*"))
+    assert [path.name for directory in kept for path in directory.iterdir()] == left
 
 
 # ----------------------------------------------------------------------------- check and env

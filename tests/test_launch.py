@@ -202,6 +202,34 @@ def test_a_script_exiting_2_is_told_apart_from_a_cpctl_usage_error(tmp_path: Pat
     assert code == 2 and "worker rank" not in err and "[rank" not in out + err, out + err
 
 
+PLAIN_SCRIPT = """\
+import sys
+import torch.distributed as dist
+
+print("argv", sys.argv[1:], flush=True)
+dist.init_process_group("gloo")  # not through cpctl.init(): torch prefixes its traceback lines itself
+if dist.get_rank() == 1:
+    raise ValueError("plain script fails")
+"""
+
+
+def test_a_plain_torch_script_failing_prints_each_line_once_and_leaves_no_temp_dir(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    after = ["--log", "x", "--nnodes", "3", "--", "--cp-size", "2"]  # the script's, all of it
+    code, out, err = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", str(script), *after,
+                                  tmp_path=tmp_path, extra_env={"TMPDIR": str(temp)}))
+    assert code == 1, out + err
+    assert f"[rank0]: argv {after}" in out and f"[rank1]: argv {after}" in out
+    assert "[rank1]: Traceback (most recent call last):" in err
+    assert "[rank1]: ValueError: plain script fails" in err
+    assert "[rank1]: [rank1]:" not in err and "[rank0]: [rank0]:" not in err
+    assert err.strip().splitlines()[-1].startswith("error: worker rank 1 (local rank 1, pid ")
+    assert list(temp.iterdir()) == []  # no traceback file of cpctl's to keep: nothing left behind
+
+
 def test_a_node_waiting_for_the_others_says_so(tmp_path: Path) -> None:
     endpoint = f"localhost:{free_port()}"
     profile = tmp_path / "two-nodes.yaml"

@@ -156,12 +156,14 @@ def installed_profiles_dir() -> Path:
 
 
 def find_profile(name: str, *, cwd: Path, environ: Mapping[str, str]) -> Path:
-    """--profile NAME: ./configs/, then the user config dir, then the profiles installed with cpctl."""
+    """--profile NAME: ./configs/, then the working directory (where `cpctl config -o NAME.yaml`
+    writes), then the user config dir, then the profiles installed with cpctl."""
     filename = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
-    places = [cwd / "configs", user_config_dir(environ), installed_profiles_dir()]
-    for place in places:
-        if (place / filename).is_file():
-            return place / filename
+    places = [cwd / "configs", cwd, user_config_dir(environ), installed_profiles_dir()]
+    if "/" not in name:
+        for place in places:
+            if (place / filename).is_file():
+                return place / filename
     if "/" in name or (cwd / name).is_file():  # a path: that is what --config takes
         raise CpctlError(f"--profile {name}: --profile takes a profile's name (e.g. cpu-try); "
                          f"for a file, use --config {name}")

@@ -22,6 +22,11 @@ if TYPE_CHECKING:
 STATIC_GPUS_PER_NODE = 8  # the node a cuda profile with nproc_per_node auto is checked against, away from it
 
 
+def gpus(count: int) -> str:
+    """`1 GPU`, `8 GPUs`."""
+    return f"{count} GPU{'' if count == 1 else 's'}"
+
+
 @dataclass(frozen=True)
 class Machine:
     """What `auto` values resolve against. Filled without importing torch."""
@@ -48,10 +53,16 @@ def target_machine(values: Mapping[str, Any], *, detected: Machine) -> tuple[Mac
     if device == "cpu":
         return Machine(cuda_devices=0), "a CPU machine"
     if device == "cuda":
-        gpus = nproc if isinstance(nproc, int) else (detected.cuda_devices or STATIC_GPUS_PER_NODE)
-        why = "as the profile asks" if isinstance(nproc, int) else "nproc_per_node auto"
-        return Machine(cuda_devices=gpus), f"a node with {gpus} GPUs ({why})"
-    return detected, f"this machine ({detected.cuda_devices} GPUs visible; device auto)"
+        if isinstance(nproc, int):
+            count, why = nproc, "as the profile asks"
+        elif detected.cuda_devices:
+            count, why = detected.cuda_devices, f"nproc_per_node auto: the {gpus(detected.cuda_devices)} visible here"
+        else:
+            count = STATIC_GPUS_PER_NODE
+            why = (f"nproc_per_node auto and no GPU visible here: a node of {count} assumed; "
+                   "pass --nproc-per-node N for another")
+        return Machine(cuda_devices=count), f"a node with {gpus(count)} ({why})"
+    return detected, f"this machine ({gpus(detected.cuda_devices)} visible; device auto)"
 
 
 # ----------------------------------------------------------------------------- auto
@@ -75,7 +86,7 @@ def fill_auto(values: Mapping[str, Any], *, machine: Machine,
     device = filled.get("launch.device")
     if device == AUTO:
         device = filled["launch.device"] = "cuda" if machine.cuda_devices > 0 else "cpu"
-        why["launch.device"] = f"auto ({machine.cuda_devices} GPUs visible)"
+        why["launch.device"] = f"auto ({gpus(machine.cuda_devices)} visible)"
     if filled.get("launch.nproc_per_node") == AUTO and device in ("cuda", "cpu"):
         count = machine.cuda_devices if device == "cuda" else CPU_DEFAULT_NPROC
         if count > 0:
@@ -150,7 +161,7 @@ def _gpus_visible(v: Mapping[str, Any], machine: Machine | None) -> str | None:
         return "launch.device is cuda but no GPU is visible; use --device cpu or check CUDA_VISIBLE_DEVICES"
     nproc = v["launch.nproc_per_node"]
     if isinstance(nproc, int) and nproc > machine.cuda_devices:
-        return (f"launch.nproc_per_node: {nproc} workers but {machine.cuda_devices} GPUs visible; "
+        return (f"launch.nproc_per_node: {nproc} workers but {gpus(machine.cuda_devices)} visible; "
                 f"use --nproc-per-node {machine.cuda_devices} or fewer (or --device cpu)")
     return None
 
