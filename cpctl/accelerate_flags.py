@@ -173,6 +173,8 @@ def profile_flags(given: Mapping[str, str], *, flags: Mapping[str, str],
         if name in (NUM_PROCESSES, MAIN_PROCESS_IP, MAIN_PROCESS_PORT):
             continue  # they need the machines: below
         put(alias.path, alias.switch or text, flag=name if alias.switch else f"{name} {text}", source=f"flag {name}")
+    if not {NUM_PROCESSES, MAIN_PROCESS_IP, MAIN_PROCESS_PORT} & given.keys():
+        return merged
     nnodes = nnodes_of(merged)
     if NUM_PROCESSES in given:
         total = f"{NUM_PROCESSES} {given[NUM_PROCESSES]}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import importlib.machinery
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,8 +91,11 @@ def disagreement(use: ScriptUse, *, api: str, cp_size: int) -> str | None:
 def detect(target: str, *, module: bool, cwd: Path) -> ScriptUse | None:
     """Read `target` (a script path, or a module name with `module`) and the local modules it
     imports; None when the target cannot be found (the launch then says so itself)."""
-    origin = _module_file(target, search=[cwd], main=True) if module else cwd / target
-    if origin is None or not origin.is_file():
+    if module:  # where `python -m` finds it: the working directory, then the installed packages
+        origin = _module_file(target, search=[cwd, *map(Path, sys.path[1:])], main=True)
+    else:
+        origin = cwd / target if (cwd / target).is_file() else None
+    if origin is None:
         return None
     roots = [cwd] if module else [origin.parent]  # sys.path[0] of `python -m` / of `python SCRIPT`
     files: list[Path] = []
@@ -107,6 +111,10 @@ def detect(target: str, *, module: bool, cwd: Path) -> ScriptUse | None:
             if path == origin:
                 line = getattr(exc, "lineno", None)
                 problem = f"cannot read it: {type(exc).__name__}" + (f" at line {line}" if line else "")
+            continue
+        except RecursionError:  # a source nested too deep for ast
+            if path == origin:
+                problem = "cannot read it: nested too deep"
             continue
         files.append(path)
         reader = _Reader(path)
@@ -235,12 +243,12 @@ def _module_file(name: str, *, search: list[Path], main: bool = False) -> Path |
         if spec is None:
             return None
         path = list(spec.submodule_search_locations) if spec.submodule_search_locations is not None else None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+    if spec is None or not spec.origin or spec.origin in ("built-in", "frozen"):
         return None
     origin = Path(spec.origin)
     if main and spec.submodule_search_locations is not None:
         return origin.parent / "__main__.py"
-    return origin
+    return origin  # not Python source (an extension module): read as a file that does not parse
 
 
 def _relative(path: Path, cwd: Path) -> str:

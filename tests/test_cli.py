@@ -531,7 +531,7 @@ def test_config_yes_writes_a_profile_that_checks(isolated: Path) -> None:
     assert result.exit_code == 0, result.output
     assert (isolated / "cp.yaml").is_file()
     assert cpctl("check", "--config", "cp.yaml").exit_code == 0
-    dry = cpctl("launch", "--dry-run", "--config", "cp.yaml", "--module", "json.tool")
+    dry = cpctl("launch", "--dry-run", "--config", "cp.yaml", "--script-api", "cpctl", "--module", "json.tool")
     assert "cp 2 = world 2" in dry.stdout
 
 

@@ -27,14 +27,15 @@ def route(tmp_path: Path, source: str, *, cp_size: int = 2, name: str = "train.p
     return use.route(cp_size=cp_size)
 
 
-@pytest.mark.parametrize(("script", "api", "why"), [
-    ("scripts/accelerate_cp.py", "accelerate", "scripts/accelerate_cp.py:53 builds an Accelerator"),
-    ("scripts/trainer_cp.py", "accelerate", "scripts/trainer_cp.py:66 uses transformers' Trainer"),
-    ("scripts/train_llama.py", "cpctl", "scripts/train_llama.py:84 calls cpctl.init()"),
+@pytest.mark.parametrize(("script", "api", "line", "why"), [
+    ("scripts/accelerate_cp.py", "accelerate", "accelerator = Accelerator(", "builds an Accelerator"),
+    ("scripts/trainer_cp.py", "accelerate", "trainer = Trainer(", "uses transformers' Trainer"),
+    ("scripts/train_llama.py", "cpctl", "rt = cpctl.init()", "calls cpctl.init()"),
 ])
-def test_the_shipped_scripts(script: str, api: str, why: str) -> None:
+def test_the_shipped_scripts(script: str, api: str, line: str, why: str) -> None:
+    number = next(n for n, text in enumerate((REPO / script).read_text().splitlines(), 1) if line in text)
     use = detect(script, module=False, cwd=REPO)
-    assert use is not None and use.route(cp_size=2) == (api, why)
+    assert use is not None and use.route(cp_size=2) == (api, f"{script}:{number} {why}")
 
 
 @pytest.mark.parametrize(("source", "api", "what"), [
@@ -111,6 +112,14 @@ def test_neither_says_what_was_read(tmp_path: Path) -> None:
 def test_a_missing_script_is_left_to_the_launch(tmp_path: Path) -> None:
     assert detect("nothing.py", module=False, cwd=tmp_path) is None
     assert detect("no_such_module_xyz", module=True, cwd=tmp_path) is None
+
+
+def test_an_installed_module_is_read_as_python_m_finds_it(tmp_path: Path) -> None:
+    # `-m json.tool`: found on sys.path as `python -m` would; it calls no cpctl.init()
+    use = detect("json.tool", module=True, cwd=tmp_path)
+    assert use is not None and use.files[0].name == "tool.py" and use.files[0].parent.name == "json"
+    with pytest.raises(CpctlError, match="json.tool: neither"):
+        use.route(cp_size=2)
 
 
 def test_options_the_script_mentions(tmp_path: Path) -> None:
