@@ -9,7 +9,7 @@ with the flag they came from. accelerate's other flags are refused, one line eac
 (CANNOT_HONOUR), rather than ignored.
 
 accelerate spells every flag with underscores or dashes (`--num_processes`, `--num-processes`);
-so does cpctl. Torch-free.
+cpctl's command line reads `_` in an option's name as `-` (cpctl.cli). Torch-free.
 """
 
 from __future__ import annotations
@@ -40,12 +40,7 @@ class Alias:
         if self.meaning:
             return self.meaning
         key = KEYS[self.path]  # type: ignore[index]
-        return f"accelerate's {self.name}: sets {key.path}" + (f" to {self.switch}" if self.switch else f" ({key.flag})")
-
-    @property
-    def spellings(self) -> tuple[str, ...]:
-        underscored = "--" + self.name[2:].replace("-", "_")
-        return (self.name,) if underscored == self.name else (self.name, underscored)
+        return f"sets {key.path} to {self.switch}" if self.switch else f"sets {key.path}, as {key.flag} does"
 
     @property
     def param(self) -> str:
@@ -60,14 +55,14 @@ ALIASES: tuple[Alias, ...] = (
     Alias("--parallelism-config-tp-size", "parallelism.tp_size"),
     Alias("--parallelism-config-cp-size", "parallelism.cp_size"),
     Alias("--parallelism-config-cp-comm-strategy", "parallelism.cp_comm_strategy"),
-    Alias(NUM_PROCESSES, "launch.nproc_per_node", meaning="accelerate's: the processes of all machines together; "
+    Alias(NUM_PROCESSES, "launch.nproc_per_node", meaning="the processes of all machines together: "
           "nproc_per_node = N / machines"),
     Alias("--num-machines", "launch.nnodes"),
     Alias("--machine-rank", "launch.node_rank"),
-    Alias(MAIN_PROCESS_IP, "launch.rdzv_endpoint", meaning="accelerate's: the machine-rank-0 host; rdzv_endpoint = "
+    Alias(MAIN_PROCESS_IP, "launch.rdzv_endpoint", meaning="the machine-rank-0 host: rdzv_endpoint = "
           f"HOST:PORT (port {ACCELERATE_DEFAULT_PORT} unless --main-process-port)"),
-    Alias(MAIN_PROCESS_PORT, "launch.rdzv_endpoint", meaning="accelerate's: the rendezvous port (0: a free one, on "
-          "one machine)"),
+    Alias(MAIN_PROCESS_PORT, "launch.rdzv_endpoint", meaning="the rendezvous port (0: a free one, on one "
+          "machine)"),
     Alias("--max-restarts", "launch.max_restarts"),
     Alias("--cpu", "launch.device", switch="cpu"),
     Alias("--multi-gpu", "launch.device", switch="cuda"),
@@ -77,11 +72,11 @@ ALIASES: tuple[Alias, ...] = (
     Alias("--fsdp-activation-checkpointing", "fsdp.activation_checkpointing"),
     Alias("--fsdp-offload-params", "memory.cpu_offload"),
     # what cpctl always does: accepted, nothing to set
-    Alias("--use-fsdp", None, switch="true", meaning="accelerate's: what cpctl always does (FSDP2, fsdp.version)"),
+    Alias("--use-fsdp", None, switch="true", meaning="what cpctl always does (FSDP2, fsdp.version)"),
     Alias("--use-parallelism-config", None, switch="true",
-          meaning="accelerate's: what cpctl always does (the profile's sizes are accelerate's ParallelismConfig)"),
+          meaning="what cpctl always does (the profile's sizes are accelerate's ParallelismConfig)"),
     Alias("--parallelism-config-cp-backend", None, allowed=("torch",),
-          meaning="accelerate's: torch, the only backend it has for CP, and the one cpctl configures"),
+          meaning="torch: accelerate's only backend for CP, the one cpctl configures"),
 )
 BY_NAME: dict[str, Alias] = {alias.name: alias for alias in ALIASES}
 
@@ -124,8 +119,7 @@ CANNOT_HONOUR: dict[str, str] = {
 
 def nothing_to_set(given: Mapping[str, str]) -> list[str]:
     """The flags among `given` that ask for what cpctl does anyway, each with what that is."""
-    prefix = "accelerate's: "
-    return [f"{name}: {BY_NAME[name].meaning.removeprefix(prefix)}" for name in given if BY_NAME[name].path is None]
+    return [f"{name}: {BY_NAME[name].meaning}" for name in given if BY_NAME[name].path is None]
 
 
 def normalized(flag: str) -> str:

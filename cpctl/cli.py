@@ -48,6 +48,12 @@ class _Command(_Switches, typer.core.TyperCommand):
 
 SWITCH = {"metavar": ""}  # typer.Option(...) keywords of a plain on/off switch
 
+def _dashed(name: str) -> str:
+    """Option names match with `_` read as `-` (`--num_processes` is `--num-processes`), as
+    accelerate launch spells them both ways."""
+    return name.replace("_", "-")
+
+
 app = typer.Typer(
     cls=_Group,
     name="cpctl",
@@ -55,6 +61,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"token_normalize_func": _dashed},
 )
 
 
@@ -103,42 +110,39 @@ def profile_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _accelerate_parameter(alias: Any, names: tuple[str, ...]) -> inspect.Parameter:
-    from cpctl.config import KEYS
-
-    dashed_is_cpctls = alias.name not in names
-    help_text = f"accelerate's spelling of {KEYS[alias.path].flag}" if dashed_is_cpctls else alias.help
+def _accelerate_parameter(alias: Any) -> inspect.Parameter:
     panel = "accelerate launch's flags (same meaning)"
     if alias.switch is not None:
-        option = typer.Option(*names, help=help_text, rich_help_panel=panel, **SWITCH)
+        option = typer.Option(alias.name, help=alias.help, rich_help_panel=panel, **SWITCH)
         return inspect.Parameter(alias.param, inspect.Parameter.KEYWORD_ONLY, default=False,
                                  annotation=Annotated[bool, option])
-    option = typer.Option(*names, help=help_text, metavar="VALUE", rich_help_panel=panel, show_default=False)
+    option = typer.Option(alias.name, help=alias.help, metavar="VALUE", rich_help_panel=panel, show_default=False)
     return inspect.Parameter(alias.param, inspect.Parameter.KEYWORD_ONLY, default=None,
                              annotation=Annotated[str | None, option])
 
 
 def accelerate_launch_flags(command: Callable[..., Any]) -> Callable[..., Any]:
-    """Give `command` the flags of `accelerate launch` that cpctl honours (cpctl.accelerate_flags),
-    in both of accelerate's spellings; it receives the given ones as `accelerate={name: text}`."""
+    """Give `command` the flags of `accelerate launch` that cpctl honours (cpctl.accelerate_flags;
+    the ones that are cpctl's own flags already, like --mixed-precision, are not added again);
+    it receives the given ones as `accelerate={name: text}`. accelerate's underscore spellings
+    match through the app's `_dashed`."""
     from cpctl.accelerate_flags import ALIASES
 
     own_flags = {spec.flag for spec in PROFILE_FLAGS}
-    registered = [(alias, tuple(name for name in alias.spellings if name not in own_flags)) for alias in ALIASES]
-    registered = [(alias, names) for alias, names in registered if names]
+    registered = [alias for alias in ALIASES if alias.name not in own_flags]
     signature = inspect.signature(command, eval_str=True)
     own = [param for name, param in signature.parameters.items() if name != "accelerate"]
 
     @functools.wraps(command)
     def wrapper(**kwargs: Any) -> Any:
         given = {}
-        for alias, _ in registered:
+        for alias in registered:
             value = kwargs.pop(alias.param)
             if value is not None and value is not False:
                 given[alias.name] = alias.switch if value is True else value
         return command(**kwargs, accelerate=given)
 
-    parameters = [*own, *(_accelerate_parameter(alias, names) for alias, names in registered)]
+    parameters = [*own, *(_accelerate_parameter(alias) for alias in registered)]
     wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
     wrapper.__annotations__ = {param.name: param.annotation for param in parameters}
     del wrapper.__wrapped__
@@ -291,22 +295,26 @@ def _note_own_options_after(script: str, script_args: list[str], use: Any) -> No
     it most likely was meant for cpctl: say where it goes (the script still gets it)."""
     from cpctl.accelerate_flags import ALIASES
 
-    own = {spec.flag for spec in PROFILE_FLAGS} | {"--dry-run", "--config", "--profile"}
-    own |= {name for alias in ALIASES for name in alias.spellings}
+    switches = {"--dry-run"} | {alias.name for alias in ALIASES if alias.switch}
+    own = {spec.flag for spec in PROFILE_FLAGS} | {"--config", "--profile"} | switches
+    own |= {alias.name for alias in ALIASES}
     mentioned = use.options if use is not None else frozenset()
     meant: list[str] = []
+    names: list[str] = []
     for index, arg in enumerate(script_args):
         if arg == "--":  # what follows was written for the script on purpose
             break
         name = arg.split("=", 1)[0]
-        if name in own and name not in mentioned:
-            takes_value = "=" not in arg and name != "--dry-run" and index + 1 < len(script_args)
-            meant += [arg, script_args[index + 1]] if takes_value and not script_args[index + 1].startswith("-") else [arg]
+        if _dashed(name) in own and name not in mentioned:
+            value = script_args[index + 1] if "=" not in arg and name not in switches and index + 1 < len(script_args) else None
+            meant += [arg] if value is None or value.startswith("-") else [arg, value]
+            names.append(name)
     if meant:
-        names = ", ".join(dict.fromkeys(arg.split("=", 1)[0] for arg in meant if arg.startswith("-")))
-        _stderr().print(f"[yellow]note:[/] {escape(names)} after {escape(script)} go to the script, which does not "
-                        f"mention them; cpctl's options go before SCRIPT: cpctl launch {escape(' '.join(meant))} "
-                        f"{escape(script)} ...", soft_wrap=True)
+        one = len(names) == 1
+        _stderr().print(f"[yellow]note:[/] {escape(', '.join(dict.fromkeys(names)))} after {escape(script)} "
+                        f"{'goes' if one else 'go'} to the script, which does not mention {'it' if one else 'them'}; "
+                        f"cpctl's options go before SCRIPT: cpctl launch {escape(' '.join(meant))} {escape(script)} ...",
+                        soft_wrap=True)
 
 
 @app.command(cls=_Command)

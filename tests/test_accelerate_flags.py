@@ -50,11 +50,13 @@ def test_a_seed_command_line_with_the_launchers_name_changed(script: Path) -> No
 
 def test_dashes_and_equals_too(script: Path) -> None:
     rows, _ = dry_run("--cpu", "--num-processes=2", "--parallelism-config-cp-size=2", "--fsdp-offload-params", "false",
-                      "--fsdp-activation-checkpointing", "true", "--fsdp_reshard_after_forward", "false")
+                      "--fsdp-activation-checkpointing", "true", "--fsdp_reshard_after_forward", "false",
+                      "--max_restarts", "1")  # cpctl's own flag, in accelerate's spelling
     assert rows["launch.nproc_per_node"] == ["2", "flag --num-processes 2"]
     assert rows["fsdp.activation_checkpointing"] == ["true", "flag --fsdp-activation-checkpointing"]
     assert rows["fsdp.reshard_after_forward"] == ["false", "flag --fsdp-reshard-after-forward"]
     assert rows["memory.cpu_offload"] == ["false", "flag --fsdp-offload-params"]
+    assert rows["launch.max_restarts"] == ["1", "flag --max-restarts"]
 
 
 @pytest.mark.parametrize(("ip_port", "endpoint"), [

@@ -126,7 +126,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
         "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine",
     }
-    # accelerate launch's flags for what cpctl has, in both of accelerate's spellings
+    # accelerate launch's flags for what cpctl has (its underscore spellings match as dashes)
     accelerate = {
         "--parallelism-config-dp-replicate-size", "--parallelism-config-dp-shard-size", "--parallelism-config-tp-size",
         "--parallelism-config-cp-size", "--parallelism-config-cp-comm-strategy", "--parallelism-config-cp-backend",
@@ -134,7 +134,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--max-restarts", "--cpu", "--multi-gpu", "--mixed-precision", "--fsdp-version", "--fsdp-reshard-after-forward",
         "--fsdp-activation-checkpointing", "--fsdp-offload-params", "--use-fsdp", "--use-parallelism-config",
     }
-    accelerate |= {"--" + name[2:].replace("-", "_") for name in accelerate}
+    accelerate -= expected  # --max-restarts, --mixed-precision, --fsdp-version: cpctl's own already
     own = {
         "launch": {"--module", "-m", "--config", "-c", "--profile", "-p", "--dry-run", "--help"} | accelerate,
         "check": {"--config", "-c", "--profile", "-p", "--static", "--help"},
@@ -346,6 +346,14 @@ def test_everything_after_the_script_is_the_scripts(script: Path, torchrun: Torc
     note = " ".join(result.stderr.split())
     assert ("note: --nnodes, --cp-size, --dry-run after train.py go to the script, which does not mention them; "
             "cpctl's options go before SCRIPT: cpctl launch --nnodes 3 --cp-size 8 --dry-run train.py ...") in note
+
+
+def test_the_note_takes_a_switch_alone(script: Path) -> None:
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "train.py", "--cpu", "3")  # accelerate's --cpu: no value
+    assert result.exit_code == 0, result.output
+    assert ("note: --cpu after train.py goes to the script, which does not mention it; cpctl's options go before "
+            "SCRIPT: cpctl launch --cpu train.py ...") in " ".join(result.stderr.split())
+    assert "-- train.py --cpu 3" in result.stdout
 
 
 def test_no_note_for_options_the_script_takes(script: Path) -> None:
