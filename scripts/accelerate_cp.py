@@ -1,13 +1,15 @@
 """A training script written for accelerate's context parallelism, as its guide writes one.
 
 Nothing here knows cpctl: an `Accelerator()` that reads its parallel sizes from the environment
-(what `accelerate launch` sets, and what `cpctl launch --script-api accelerate` sets), FSDP2 through
+(what `accelerate launch` sets, and what `cpctl launch` sets for an accelerate script), FSDP2 through
 `accelerator.prepare`, labels shifted by the script itself (`shift_labels`), and every step inside
 `accelerator.maybe_context_parallel`. A tiny random Llama and random tokens: nothing is downloaded.
 
     python scripts/accelerate_cp.py                                   # one process, the reference
-    cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 --script-api accelerate \\
+    cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 \\
         scripts/accelerate_cp.py                                      # cp 2, cpctl's engine, gloo
+    cpctl launch --cpu --num_processes 2 --parallelism_config_cp_size 2 \\
+        scripts/accelerate_cp.py                                      # the same, in accelerate's flags
 """
 
 from __future__ import annotations
@@ -71,11 +73,12 @@ def main() -> None:
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
+        local_tokens = batch["input_ids"].shape[1]  # sharded in place (not restored) under CP
         losses.append(accelerator.reduce(loss.detach(), reduction="mean").item())
         accelerator.print(f"step {len(losses) - 1}  loss {losses[-1]:.6f}")
     if accelerator.is_main_process and args.losses_out:
         with open(args.losses_out, "w") as f:
-            json.dump({"losses": losses, "world": accelerator.num_processes}, f)
+            json.dump({"losses": losses, "world": accelerator.num_processes, "local_tokens": local_tokens}, f)
     accelerator.end_training()
 
 

@@ -1,12 +1,12 @@
 """A transformers `Trainer` script that knows nothing of cpctl, for context parallelism.
 
-Its `Accelerator` is the Trainer's own; under `cpctl launch --script-api accelerate --cp-size N`
+Its `Accelerator` is the Trainer's own; under `cpctl launch --cp-size N` (which finds the Trainer in this source)
 it reads the parallel sizes cpctl sets (as under `accelerate launch`), and the Trainer shards each
 batch through `accelerator.maybe_context_parallel`, on cpctl's engine. A tiny random Llama and
 learnable synthetic rows: nothing is downloaded.
 
     python scripts/trainer_cp.py                                      # one process, the reference
-    cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 --script-api accelerate \\
+    cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 \\
         scripts/trainer_cp.py                                         # cp 2, gloo
 """
 

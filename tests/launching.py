@@ -30,10 +30,11 @@ def launch_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
-def cpctl(*args: str, tmp_path: Path, cwd: Path | None = None, **popen: object) -> subprocess.Popen:
+def cpctl(*args: str, tmp_path: Path, cwd: Path | None = None, extra_env: dict[str, str] | None = None,
+          **popen: object) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "cpctl.launch.cli", "launch", *args], cwd=cwd or tmp_path, env=launch_env(tmp_path),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
+        [sys.executable, "-m", "cpctl.launch.cli", "launch", *args], cwd=cwd or tmp_path,
+        env=launch_env(tmp_path) | (extra_env or {}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
     )
 
 

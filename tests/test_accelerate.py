@@ -31,6 +31,10 @@ LAYOUTS = {
                                     "--checkpoint-level", "selective"), ()),
     # a sliding window (24 tokens, shards of 32): accelerate's own path refuses such a model
     "cp2-window": (CP2, ("--sliding-window", "24")),
+    # accelerate launch's command line, with only the launcher's name changed: no --script-api
+    # (the source builds an Accelerator), accelerate's flags with their meaning
+    "accelerate-flags": (("--cpu", "--num_processes", "2", "--parallelism_config_cp_size", "2", "--use_fsdp",
+                          "--fsdp_version", "2", "--mixed_precision", "no"), ()),
 }
 
 
@@ -57,7 +61,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory):
 def test_the_guide_loop_under_cp_gives_the_one_process_losses(launched, layout: str) -> None:
     result = launched(layout)
     run, reference = result["run"], result["reference"]
-    assert run["world"] == 2 and len(run["losses"]) == len(reference) == 4
+    # two processes each with half the sequence: CP, not two copies of a one-process job (same losses)
+    assert (run["world"], run["local_tokens"]) == (2, 32) and len(run["losses"]) == len(reference) == 4
     for step, (got, want) in enumerate(zip(run["losses"], reference)):
         assert abs(got - want) <= TOLERANCE, f"step {step}: {got} vs {want} (all: {run['losses']})"
 
@@ -128,7 +133,7 @@ def test_the_dry_run_shows_what_accelerate_is_told(tmp_path: Path) -> None:
     for line in ("PARALLELISM_CONFIG_CP_SIZE", "FSDP_VERSION", "ACCELERATE_USE_PARALLELISM_CONFIG"):
         assert line in out
     assert "cpctl's engine behind accelerate's maybe_context_parallel" in out
-    assert "--module cpctl.integrations.accelerate_shim" in out
+    assert "--module -- cpctl.integrations.accelerate_shim" in out
 
 
 def test_sizes_set_twice_must_agree(tmp_path: Path) -> None:

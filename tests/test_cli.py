@@ -50,8 +50,9 @@ def table_rows(text: str) -> dict[str, list[str]]:
 
 @pytest.fixture
 def script(isolated: Path) -> Path:
+    """A cpctl script (its source calls cpctl.init(), so `launch.script_api: auto` is cpctl)."""
     path = isolated / "train.py"
-    path.write_text("print('hi')\n")
+    path.write_text("import cpctl\n\nrt = cpctl.init()\n")
     return path
 
 
@@ -101,6 +102,7 @@ main()
         ["check", "--help"],
         ["env", "--help"],
         ["launch", "--dry-run", "--cp-size", "2", "train.py", "--steps", "5"],
+        ["launch", "--dry-run", "--num-processes", "2", "--parallelism-config-cp-size", "2", "train.py"],
         ["check", "--static", "--profile", "cp8-allgather"],
     ],
     ids=lambda args: " ".join(args[:2]),
@@ -124,8 +126,17 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
         "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine",
     }
+    # accelerate launch's flags for what cpctl has (its underscore spellings match as dashes)
+    accelerate = {
+        "--parallelism-config-dp-replicate-size", "--parallelism-config-dp-shard-size", "--parallelism-config-tp-size",
+        "--parallelism-config-cp-size", "--parallelism-config-cp-comm-strategy", "--parallelism-config-cp-backend",
+        "--num-processes", "--num-machines", "--machine-rank", "--main-process-ip", "--main-process-port",
+        "--max-restarts", "--cpu", "--multi-gpu", "--mixed-precision", "--fsdp-version", "--fsdp-reshard-after-forward",
+        "--fsdp-activation-checkpointing", "--fsdp-offload-params", "--use-fsdp", "--use-parallelism-config",
+    }
+    accelerate -= expected  # --max-restarts, --mixed-precision, --fsdp-version: cpctl's own already
     own = {
-        "launch": {"--module", "-m", "--config", "-c", "--profile", "-p", "--dry-run", "--help"},
+        "launch": {"--module", "-m", "--config", "-c", "--profile", "-p", "--dry-run", "--help"} | accelerate,
         "check": {"--config", "-c", "--profile", "-p", "--static", "--help"},
         "config": {"--output", "-o", "--yes", "-y", "--help"},
     }
@@ -262,15 +273,35 @@ def test_dry_run_shows_profile_sources_mesh_and_command(script: Path) -> None:
         ["0", "0", "0", "0", "0", "0"], ["0", "1", "0", "0", "1", "0"],
         ["0", "2", "0", "1", "0", "0"], ["0", "3", "0", "1", "1", "0"],
     ]
-    assert "torchrun --nnodes=1 --nproc-per-node=4 --max-restarts=0 --standalone --tee=3 train.py --steps 5" in out
+    assert "torchrun --nnodes=1 --nproc-per-node=4 --max-restarts=0 --standalone --tee=3 -- train.py --steps 5" in out
     assert f"{PROFILE_ENV_VAR}='{{\"version\":1," in out
+
+
+def test_the_dry_run_says_which_api_the_script_uses_and_why(isolated: Path) -> None:
+    write(isolated / "acc.py", "from accelerate import Accelerator\naccelerator = Accelerator()\n")
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--cp-size", "2", "acc.py", "--lr", "1")
+    assert result.exit_code == 0, result.output
+    assert table_rows(result.stdout)["launch.script_api"] == ["accelerate", "auto (acc.py:2 builds an Accelerator)"]
+    assert "Script: an accelerate script" in result.stdout and "(launch.script_api accelerate; auto: acc.py:2" in result.stdout
+    assert "--tee=3 --module -- cpctl.integrations.accelerate_shim acc.py --lr 1" in result.stdout
+
+
+def test_a_script_of_neither_api_is_refused_under_cp(isolated: Path) -> None:
+    write(isolated / "plain.py", "import torch.distributed as dist\ndist.init_process_group('gloo')\n")
+    assert_one_line_error(cpctl("launch", "--dry-run", "--device", "cpu", "--cp-size", "2", "plain.py"),
+                          "plain.py: neither cpctl.init() nor an Accelerator or Trainer found (read 1 file)",
+                          "pass --script-api cpctl")
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "plain.py")  # no CP: nothing to set up wrongly
+    assert result.exit_code == 0 and table_rows(result.stdout)["launch.script_api"][0] == "cpctl"
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--cp-size", "2", "--script-api", "cpctl", "plain.py")
+    assert result.exit_code == 0 and table_rows(result.stdout)["launch.script_api"] == ["cpctl", "flag --script-api"]
 
 
 def test_dry_run_multi_node(script: Path) -> None:
     result = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--node-rank", "1",
                    "--rdzv-endpoint", "10.0.0.1:29400", "--nproc-per-node", "2", "--cp-size", "4", "train.py")
     assert result.exit_code == 0, result.output
-    assert "torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=0 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 --tee=3 train.py" in result.stdout
+    assert "torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=0 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 --tee=3 -- train.py" in result.stdout
     assert "--standalone" not in result.stdout
 
 
@@ -298,22 +329,43 @@ def test_dry_run_with_a_module(isolated: Path) -> None:
     (isolated / "pkg" / "train.py").write_text("")
     result = cpctl("launch", "--dry-run", "-m", "pkg.train", "--lr", "1")
     assert result.exit_code == 0, result.output
-    assert "--tee=3 --module pkg.train --lr 1" in result.stdout
+    assert "--tee=3 --module -- pkg.train --lr 1" in result.stdout
 
 
-def test_cpctl_options_after_the_script_apply_as_spec_writes_them(script: Path) -> None:
-    # `cpctl launch train.py --cp-size 8` works as written; a `--` hands the rest to the script untouched.
-    result = cpctl("launch", "train.py", "--cp-size", "2", "--lr", "1", "--dry-run", "--", "--cp-size", "9")
+def test_everything_after_the_script_is_the_scripts(script: Path, torchrun: TorchrunSpy) -> None:
+    # as with torchrun, accelerate launch and python: a cpctl option after SCRIPT, a `--`, an
+    # abbreviation of a torchrun option (`--log`) all reach the script unchanged
+    after = ["--log", "x", "--nnodes", "3", "--cp-size", "8", "--dry-run", "--", "--config", "y"]
+    result = cpctl("launch", "--device", "cpu", "train.py", *after)
     assert result.exit_code == 0, result.output
-    assert "parallelism.cp_size" in result.stdout and "flag --cp-size" in result.stdout
-    assert "train.py --lr 1 --cp-size 9" in result.stdout  # the script keeps its own arguments
-    assert "note: --cp-size, --dry-run after the script taken as cpctl options" in result.stderr
+    [(args, environ)] = torchrun.calls
+    assert (args.training_script, args.training_script_args) == ("train.py", after)
+    sent = json.loads(environ[PROFILE_ENV_VAR])
+    assert (sent["launch"]["nnodes"], sent["parallelism"]["cp_size"]) == (1, 1)  # cpctl took none of them
+    # train.py mentions none of cpctl's options: a note says where they were meant to go
+    note = " ".join(result.stderr.split())
+    assert ("note: --nnodes, --cp-size, --dry-run after train.py go to the script, which does not mention them; "
+            "cpctl's options go before SCRIPT: cpctl launch --nnodes 3 --cp-size 8 --dry-run train.py ...") in note
 
 
-def test_a_trailing_cpctl_option_without_its_value_is_one_line(script: Path) -> None:
-    result = cpctl("launch", "train.py", "--cp-size")
-    assert result.exit_code == 2
-    assert result.stderr.strip().splitlines() == ["error: --cp-size needs a value, e.g. --cp-size 2"]
+def test_the_note_takes_a_switch_alone(script: Path) -> None:
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "train.py", "--cpu", "3")  # accelerate's --cpu: no value
+    assert result.exit_code == 0, result.output
+    assert ("note: --cpu after train.py goes to the script, which does not mention it; cpctl's options go before "
+            "SCRIPT: cpctl launch --cpu train.py ...") in " ".join(result.stderr.split())
+    assert "-- train.py --cpu 3" in result.stdout
+
+
+def test_no_note_for_options_the_script_takes(script: Path) -> None:
+    script.write_text("import argparse, cpctl\nargparse.ArgumentParser().add_argument('--nnodes')\ncpctl.init()\n")
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "train.py", "--nnodes", "3")
+    assert result.exit_code == 0, result.output
+    assert "note:" not in result.stderr and "-- train.py --nnodes 3" in result.stdout
+
+
+def test_a_misspelt_option_before_the_script_is_one_line(script: Path) -> None:
+    assert_one_line_error(cpctl("launch", "--cp-sise", "2", "train.py", "--lr", "1"),
+                          "--cp-sise: unknown option; did you mean --cp-size?")
 
 
 # ----------------------------------------------------------------------------- the launcher boundary
@@ -325,10 +377,15 @@ class TorchrunSpy:
 
     def __init__(self, raises: BaseException | None = None) -> None:
         self.raises = raises
+        self.writes: dict[str, str] = {}  # files the "workers" leave in CPCTL_ERROR_DIR
         self.calls: list[tuple[object, dict[str, str]]] = []
 
     def __call__(self, args: object) -> None:
         self.calls.append((args, dict(os.environ)))
+        for name, text in self.writes.items():
+            path = Path(os.environ["CPCTL_ERROR_DIR"]) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
         if self.raises is not None:
             raise self.raises
 
@@ -407,6 +464,29 @@ def test_launch_failures_exit_with_the_workers_code(script: Path, torchrun: Torc
     assert_one_line_error(result, *fragments, code=code)
 
 
+@pytest.mark.parametrize(("raised", "left"), [
+    (None, []),
+    (lambda: SystemExit(2), []),  # e.g. torchrun's own parser refusing its argv
+    (lambda: RuntimeError("the agent broke"), []),
+    (lambda: _child_failed((1, 3)), []),  # a worker exited: no traceback file
+    (lambda: _child_failed((1, 1)), ["rank1-traceback.txt"]),  # ... named by the error: kept, alone
+])
+def test_a_launch_leaves_only_the_traceback_files_it_names(script: Path, torchrun: TorchrunSpy, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch, raised, left: list[str]) -> None:
+    import tempfile
+
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))
+    torchrun.raises = raised() if raised else None
+    torchrun.writes = {"torchrun/attempt_0/1/stderr.log": "what the console showed"}
+    if left:
+        torchrun.writes |= {name: "Traceback (most recent call last):" for name in left}
+    cpctl("launch", "--device", "cpu", "--nproc-per-node", "2", "train.py")
+    kept = list(temp.glob("cpctl-*"))
+    assert [path.name for directory in kept for path in directory.iterdir()] == left
+
+
 # ----------------------------------------------------------------------------- check and env
 
 
@@ -459,7 +539,7 @@ def test_config_yes_writes_a_profile_that_checks(isolated: Path) -> None:
     assert result.exit_code == 0, result.output
     assert (isolated / "cp.yaml").is_file()
     assert cpctl("check", "--config", "cp.yaml").exit_code == 0
-    dry = cpctl("launch", "--dry-run", "--config", "cp.yaml", "--module", "json.tool")
+    dry = cpctl("launch", "--dry-run", "--config", "cp.yaml", "--script-api", "cpctl", "--module", "json.tool")
     assert "cp 2 = world 2" in dry.stdout
 
 

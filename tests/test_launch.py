@@ -36,18 +36,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+SCRIPT_ARGS = ["--extra", "7", "--nnodes", "3", "--log", "x"]  # `--log`: an abbreviation of torchrun's --log-dir
+
+
 def test_two_cpu_workers_get_their_ranks_and_the_profile(tmp_path: Path) -> None:
     out_dir = tmp_path / "out"
+    # the probe reads the profile itself, without cpctl.init(): its API is named, or cp 2 would be refused
     code, out, err = finish(cpctl(
         "--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--cp-comm-strategy", "alltoall",
-        str(PROBE), "--out", str(out_dir), "--extra", "7", tmp_path=tmp_path,
+        "--script-api", "cpctl", str(PROBE), "--out", str(out_dir), *SCRIPT_ARGS, tmp_path=tmp_path,
     ))
     assert code == 0, out + err
     ranks = records(out_dir)
     assert sorted(ranks) == [0, 1]
     for rank, record in ranks.items():
         assert (record["world_size"], record["local_rank"]) == (2, rank)
-        assert record["extra_args"] == ["--extra", "7"]  # script args pass through untouched
+        assert record["extra_args"] == SCRIPT_ARGS  # script args pass through untouched, torchrun's names too
         par = record["profile"]["parallelism"]
         assert (par["cp_size"], par["dp_shard_size"], par["cp_comm_strategy"]) == (2, 1, "alltoall")
         expected = {"device": "cpu", "nnodes": 1, "nproc_per_node": 2, "node_rank": 0, "rdzv_endpoint": None,
@@ -196,6 +200,34 @@ def test_a_script_exiting_2_is_told_apart_from_a_cpctl_usage_error(tmp_path: Pat
     code, out, err = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "3", str(PROBE),
                                   tmp_path=tmp_path))
     assert code == 2 and "worker rank" not in err and "[rank" not in out + err, out + err
+
+
+PLAIN_SCRIPT = """\
+import sys
+import torch.distributed as dist
+
+print("argv", sys.argv[1:], flush=True)
+dist.init_process_group("gloo")  # not through cpctl.init(): torch prefixes its traceback lines itself
+if dist.get_rank() == 1:
+    raise ValueError("plain script fails")
+"""
+
+
+def test_a_plain_torch_script_failing_prints_each_line_once_and_leaves_no_temp_dir(tmp_path: Path) -> None:
+    script = tmp_path / "plain.py"
+    script.write_text(PLAIN_SCRIPT)
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    after = ["--log", "x", "--nnodes", "3", "--", "--cp-size", "2"]  # the script's, all of it
+    code, out, err = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", str(script), *after,
+                                  tmp_path=tmp_path, extra_env={"TMPDIR": str(temp)}))
+    assert code == 1, out + err
+    assert f"[rank0]: argv {after}" in out and f"[rank1]: argv {after}" in out
+    assert "[rank1]: Traceback (most recent call last):" in err
+    assert "[rank1]: ValueError: plain script fails" in err
+    assert "[rank1]: [rank1]:" not in err and "[rank0]: [rank0]:" not in err
+    assert err.strip().splitlines()[-1].startswith("error: worker rank 1 (local rank 1, pid ")
+    assert list(temp.iterdir()) == []  # no traceback file of cpctl's to keep: nothing left behind
 
 
 def test_a_node_waiting_for_the_others_says_so(tmp_path: Path) -> None:

@@ -283,6 +283,23 @@ def test_plan_prints_the_terms_the_advice_and_the_scan() -> None:
 
 
 @pytest.mark.usefixtures("isolated")
+def test_plan_reads_at_80_columns_and_says_why_8_gpus() -> None:
+    result = CliRunner().invoke(app, ["plan", "--model", "1b", "--seq-len", "128k"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    assert max(map(len, lines)) <= 80
+    rows = {line.split("│")[0].strip(): line for line in lines if "│" in line}
+    for term in ("parameters, gathered", "activations for backward", "attention working set", "+ allocator headroom"):
+        assert term in rows, term  # one line per term, its name unbroken
+    legend = next(index for index, line in enumerate(lines) if line.startswith("counted as"))
+    assert lines[legend + 1].split()[:2] == ["parameters", "fp32,"]
+    assert "needed 294.3 GiB of 141 GiB per GPU: does not fit" in result.stdout
+    # no profile, no GPU here: the 8 GPUs are a stated assumption, with the flag that changes it
+    assert ("profile as on a node with 8 GPUs (nproc_per_node auto and no GPU visible here: a node of 8 assumed; "
+            "pass --nproc-per-node N for another)") in " ".join(result.stdout.split())
+
+
+@pytest.mark.usefixtures("isolated")
 def test_plan_json() -> None:
     result = cpctl("plan", "--model", "llama-3.2-3b", "--seq-len", "512k", "--chunked-loss", "--gpus", "8",
                    "--activation-checkpointing", "true", "--json")
@@ -320,6 +337,23 @@ def test_plan_takes_profiles_as_check_does() -> None:
 ])
 def test_plan_errors_are_one_line(args: list[str], fragments: list[str]) -> None:
     one_line_error(cpctl("plan", *args), *fragments)
+
+
+@pytest.mark.usefixtures("isolated")
+@pytest.mark.parametrize(("hub_id", "preset"), [
+    ("meta-llama/Llama-3.2-1B", "llama-3.2-1b"),
+    ("meta-llama/Llama-3.2-3B-Instruct", "llama-3.2-3b"),
+    ("meta-llama/Meta-Llama-3.1-8B", "llama-3.1-8b"),
+])
+def test_a_hub_id_of_a_presets_model_is_that_preset(hub_id: str, preset: str) -> None:
+    result = cpctl("plan", "--model", hub_id, "--seq-len", "32k", "--json")
+    assert result.exit_code == 0, result.output
+    model = json.loads(result.stdout)["model"]
+    assert model["name"] == preset and model["vocab_size"] == 128256
+    assert model["notes"] == [f"{hub_id} is not a file here; it has the shape of the preset {preset}, used here "
+                              "(cpctl plan downloads nothing; for another model pass its config.json)"]
+    one_line_error(cpctl("plan", "--model", "Qwen/Qwen2.5-7B", "--seq-len", "1k"),
+                   "--model Qwen/Qwen2.5-7B: no such file", "cpctl plan downloads nothing", "presets: tiny, 1b, llama-3.2-1b")
 
 
 @pytest.mark.usefixtures("isolated")

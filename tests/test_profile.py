@@ -139,6 +139,19 @@ def test_profile_name_lookup_prefers_local_configs(tmp_path: Path) -> None:
     assert resolved.sources["launch.max_restarts"] == f"--profile mine ({tmp_path / 'configs' / 'mine.yaml'})"
 
 
+def test_a_profile_the_wizard_wrote_here_is_found_by_name(tmp_path: Path) -> None:
+    # `cpctl config -o mine.yaml` writes ./mine.yaml; `--profile mine` finds it (./configs/ first)
+    write(tmp_path / "xdg" / "cpctl" / "mine.yaml", {"launch": {"max_restarts": 1}})
+    write(tmp_path / "mine.yaml", {"launch": {"max_restarts": 3}})
+    resolved = resolve_apart(tmp_path, profile_name="mine")
+    assert resolved.sources["launch.max_restarts"] == f"--profile mine ({tmp_path / 'mine.yaml'})"
+    assert resolve_apart(tmp_path, profile_name="mine.yaml").profile.launch.max_restarts == 3
+    write(tmp_path / "configs" / "mine.yaml", {"launch": {"max_restarts": 2}})
+    assert resolve_apart(tmp_path, profile_name="mine").profile.launch.max_restarts == 2
+    write(tmp_path / "sub" / "other.yaml", {})
+    assert "--profile takes a profile's name" in error_of(tmp_path, profile_name="sub/other")
+
+
 def test_shipped_profiles_are_found_anywhere(tmp_path: Path) -> None:
     resolved = resolve_apart(tmp_path, profile_name="cpu-try")  # tmp_path has no configs/
     assert resolved.profile.parallelism.cp_size == 2

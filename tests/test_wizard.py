@@ -80,7 +80,7 @@ def test_defaults_only_write_a_profile_that_resolves(tmp_path):
 
 def test_custom_answers_are_written(tmp_path):
     out = tmp_path / "p.yaml"
-    keys = (ENTER + ENTER + ENTER + typed("4")  # a cpctl script, device auto, 1 machine, 4 processes
+    keys = (ENTER + ENTER + ENTER + typed("4")  # the script's API read at launch, device auto, 1 machine, 4 processes
             + typed("2") + ENTER + ENTER        # cp 2, tp 1, dp_replicate 1
             + ENTER                             # dp_shard: the computed 4 / (1 * 2 * 1) = 2
             + DOWN + ENTER                      # alltoall
@@ -94,14 +94,14 @@ def test_custom_answers_are_written(tmp_path):
                                       "cp_comm_strategy": "alltoall", "cp_load_balance": False}
     assert written["fsdp"] == {"mixed_precision": "bf16", "activation_checkpointing": True}
     assert written["memory"] == {"checkpoint_level": "selective", "loss_chunk_tokens": 2048, "tiled_mlp_tokens": 16}
-    assert written["launch"] == {"device": "auto", "nnodes": 1, "nproc_per_node": 4, "script_api": "cpctl"}
+    assert written["launch"] == {"device": "auto", "nnodes": 1, "nproc_per_node": 4, "script_api": "auto"}
     got = resolved(out)
     assert got.world_size == 4 and got.parallelism.dp_shard_size == 2
 
 
 def test_memory_options_on_a_gpu_machine(tmp_path):
     out = tmp_path / "p.yaml"
-    keys = (ENTER * 8                                # a cpctl script, auto, 1 machine, 8 GPUs, cp/tp/dp defaults
+    keys = (ENTER * 8                                # script api auto, device auto, 1 machine, 8 GPUs, cp/tp/dp defaults
             + ENTER + "y" + ENTER                    # precision, checkpointing, the full level
             + "y" + ENTER + typed("8192") + "y" + ENTER)  # memory options: default chunks, tiles, offload, no cpu_offload
     code, shown = drive(keys, output=out, machine=GPU8)
@@ -114,7 +114,7 @@ def test_memory_options_on_a_gpu_machine(tmp_path):
 
 def test_an_accelerate_script_is_asked_for_its_engine(tmp_path):
     out = tmp_path / "p.yaml"
-    keys = (DOWN + ENTER + ENTER + ENTER + ENTER    # accelerate, device auto, 1 machine, 2 processes
+    keys = (DOWN + DOWN + ENTER + ENTER + ENTER + ENTER    # accelerate, device auto, 1 machine, 2 processes
             + typed("2") + ENTER * 3                # cp 2, tp 1, dp_replicate 1, dp_shard 1
             + ENTER + ENTER + ENTER                 # allgather, load balance, cpctl's engine
             + ENTER + ENTER + ENTER)                # precision, no checkpointing, no memory options
@@ -145,8 +145,11 @@ def test_several_machines_ask_node_rank_and_endpoint(tmp_path):
             + typed("2") + typed("1")                   # node_rank 2 of 2 machines, then 1
             + ENTER + typed("node0:29500")              # an endpoint is required
             + ENTER + typed("2") + ENTER * (QUESTIONS - 4))  # 2 processes per machine, cp 2, the rest defaults
-    code, _ = drive(keys, output=out)
+    code, shown = drive(keys, output=out)
     assert code == 0
+    assert (f"Launch with, on each of the 2 machines (the same command on every one; they meet at node0:29500): "
+            f"cpctl launch --config {out} your_script.py") in " ".join(shown.split())
+    assert f"# Launch (the same command on each of the 2 machines): cpctl launch --config {out}" in out.read_text()
     got = resolved(out)
     assert (got.launch.nnodes, got.launch.node_rank, got.launch.rdzv_endpoint) == (2, 1, "node0:29500")
     assert (got.parallelism.cp_size, got.parallelism.dp_shard_size, got.world_size) == (2, 2, 4)

@@ -156,12 +156,14 @@ def installed_profiles_dir() -> Path:
 
 
 def find_profile(name: str, *, cwd: Path, environ: Mapping[str, str]) -> Path:
-    """--profile NAME: ./configs/, then the user config dir, then the profiles installed with cpctl."""
+    """--profile NAME: ./configs/, then the working directory (where `cpctl config -o NAME.yaml`
+    writes), then the user config dir, then the profiles installed with cpctl."""
     filename = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
-    places = [cwd / "configs", user_config_dir(environ), installed_profiles_dir()]
-    for place in places:
-        if (place / filename).is_file():
-            return place / filename
+    places = [cwd / "configs", cwd, user_config_dir(environ), installed_profiles_dir()]
+    if "/" not in name:
+        for place in places:
+            if (place / filename).is_file():
+                return place / filename
     if "/" in name or (cwd / name).is_file():  # a path: that is what --config takes
         raise CpctlError(f"--profile {name}: --profile takes a profile's name (e.g. cpu-try); "
                          f"for a file, use --config {name}")
@@ -178,8 +180,21 @@ def text_layer(texts: Mapping[str, Any], *, source_of: Callable[[Key], str]) -> 
     return Layer(values, {path: source_of(KEYS[path]) for path in values})
 
 
+class FlagText(str):
+    """A flag's text that says which flag it came from, when that is not the key's own `--<key>`
+    (accelerate's spelling of a key: `--parallelism-config-cp-size`, see cpctl.launch.accelerate_flags)."""
+
+    source: str
+
+    def __new__(cls, text: str, *, source: str) -> FlagText:
+        made = super().__new__(cls, text)
+        made.source = source
+        return made
+
+
 def flag_layer(flags: Mapping[str, Any]) -> Layer:
-    return text_layer({p: v for p, v in flags.items() if v is not None}, source_of=lambda k: f"flag {k.flag}")
+    given = {p: v for p, v in flags.items() if v is not None}
+    return text_layer(given, source_of=lambda k: getattr(given[k.path], "source", f"flag {k.flag}"))
 
 
 def env_layer(environ: Mapping[str, str]) -> Layer:

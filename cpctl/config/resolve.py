@@ -12,12 +12,15 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import cpctl.config.layers as L
 from cpctl.config.rules import Machine, detect_machine, fill_auto, first_problem, target_machine
 from cpctl.config.schema import AUTO, DEFAULTS, KEYS, Flat, Profile
 from cpctl.errors import CpctlError
+
+if TYPE_CHECKING:
+    from cpctl.launch.script_api import ScriptUse
 
 
 @dataclass(frozen=True)
@@ -61,9 +64,11 @@ def overlay(layers: Sequence[L.Layer], *, defaults: bool = True) -> L.Layer:
     return L.Layer(values, sources)
 
 
-def complete(layer: L.Layer, *, machine: Machine, files: tuple[Path, ...] = ()) -> Resolved:
-    """`auto` filled on `machine`, every rule checked, the typed Profile built."""
-    values, why = fill_auto(layer.values, machine=machine)
+def complete(layer: L.Layer, *, machine: Machine, files: tuple[Path, ...] = (),
+             script: ScriptUse | None = None) -> Resolved:
+    """`auto` filled on `machine` (and `launch.script_api` from `script`), every rule checked,
+    the typed Profile built."""
+    values, why = fill_auto(layer.values, machine=machine, script=script)
     problem = first_problem(values, machine=machine)
     if problem is not None:
         raise CpctlError(problem)
@@ -87,13 +92,15 @@ def merge_layers(*, flags: Mapping[str, Any] | None = None, config: str | Path |
 
 def resolve(*, flags: Mapping[str, Any] | None = None, config: str | Path | None = None,
             profile_name: str | None = None, environ: Mapping[str, str] | None = None,
-            cwd: str | Path | None = None, machine: Machine | None = None) -> Resolved:
-    """The profile `cpctl launch`/`check` runs with (see the module docstring for the order)."""
+            cwd: str | Path | None = None, machine: Machine | None = None,
+            script: ScriptUse | None = None) -> Resolved:
+    """The profile `cpctl launch`/`check` runs with (see the module docstring for the order);
+    `script`: what the script's source shows, for `launch.script_api: auto`."""
     environ = os.environ if environ is None else environ
     values, sources, files = merge_layers(flags=flags, config=config, profile_name=profile_name,
                                           environ=environ, cwd=cwd)
     machine = detect_machine(environ) if machine is None else machine
-    return complete(L.Layer({**DEFAULTS, **values}, sources), machine=machine, files=files)
+    return complete(L.Layer({**DEFAULTS, **values}, sources), machine=machine, files=files, script=script)
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,8 @@ class Preview:
 
 def preview(*, flags: Mapping[str, Any] | None = None, config: str | Path | None = None,
             profile_name: str | None = None, environ: Mapping[str, str] | None = None,
-            cwd: str | Path | None = None, machine: Machine | None = None) -> Preview:
+            cwd: str | Path | None = None, machine: Machine | None = None,
+            script: ScriptUse | None = None) -> Preview:
     """What `launch --dry-run` and `check --static` show: a cuda profile resolved with the GPUs
     it asks for, even on a laptop or a CPU CI box."""
     environ = os.environ if environ is None else environ
@@ -116,11 +124,11 @@ def preview(*, flags: Mapping[str, Any] | None = None, config: str | Path | None
     here = detect_machine(environ) if machine is None else machine
     target, described = target_machine(values, detected=here)
     layer = L.Layer({**DEFAULTS, **values}, sources)
-    resolved = complete(layer, machine=target, files=files)
+    resolved = complete(layer, machine=target, files=files, script=script)
     problem = None
     if target != here:
         try:
-            complete(layer, machine=here)
+            complete(layer, machine=here, script=script)
         except CpctlError as exc:
             problem = str(exc)
     return Preview(resolved, described, problem)

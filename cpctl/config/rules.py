@@ -12,11 +12,19 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cpctl.config.schema import AUTO, CPU_DEFAULT_NPROC, KEYS, Flat
 
+if TYPE_CHECKING:
+    from cpctl.launch.script_api import ScriptUse
+
 STATIC_GPUS_PER_NODE = 8  # the node a cuda profile with nproc_per_node auto is checked against, away from it
+
+
+def gpus(count: int) -> str:
+    """`1 GPU`, `8 GPUs`."""
+    return f"{count} GPU{'' if count == 1 else 's'}"
 
 
 @dataclass(frozen=True)
@@ -45,23 +53,40 @@ def target_machine(values: Mapping[str, Any], *, detected: Machine) -> tuple[Mac
     if device == "cpu":
         return Machine(cuda_devices=0), "a CPU machine"
     if device == "cuda":
-        gpus = nproc if isinstance(nproc, int) else (detected.cuda_devices or STATIC_GPUS_PER_NODE)
-        why = "as the profile asks" if isinstance(nproc, int) else "nproc_per_node auto"
-        return Machine(cuda_devices=gpus), f"a node with {gpus} GPUs ({why})"
-    return detected, f"this machine ({detected.cuda_devices} GPUs visible; device auto)"
+        if isinstance(nproc, int):
+            count, why = nproc, "as the profile asks"
+        elif detected.cuda_devices:
+            count, why = detected.cuda_devices, f"nproc_per_node auto: the {gpus(detected.cuda_devices)} visible here"
+        else:
+            count = STATIC_GPUS_PER_NODE
+            why = (f"nproc_per_node auto and no GPU visible here: a node of {count} assumed; "
+                   "pass --nproc-per-node N for another")
+        return Machine(cuda_devices=count), f"a node with {gpus(count)} ({why})"
+    return detected, f"this machine ({gpus(detected.cuda_devices)} visible; device auto)"
 
 
 # ----------------------------------------------------------------------------- auto
 
 
-def fill_auto(values: Mapping[str, Any], *, machine: Machine) -> tuple[Flat, dict[str, str]]:
+def fill_auto(values: Mapping[str, Any], *, machine: Machine,
+              script: ScriptUse | None = None) -> tuple[Flat, dict[str, str]]:
     """Every `auto` among `values` that the known values decide, and why; others stay `auto`
-    (the rules then say what is wrong)."""
+    (the rules then say what is wrong). `launch.script_api` is decided by the script's source
+    (`script`, which raises CpctlError when it cannot decide); without a script, it is cpctl's."""
     filled, why = dict(values), {}
+    if filled.get("launch.script_api") == AUTO and isinstance(filled.get("parallelism.cp_size"), int):
+        if script is not None:
+            api, reason = script.route(cp_size=filled["parallelism.cp_size"])
+        elif filled.get("parallelism.cp_engine") == "native":
+            api, reason = "accelerate", "cp_engine native is accelerate's"
+        else:
+            api, reason = "cpctl", "no script to read"
+        filled["launch.script_api"] = api
+        why["launch.script_api"] = f"auto ({reason})"
     device = filled.get("launch.device")
     if device == AUTO:
         device = filled["launch.device"] = "cuda" if machine.cuda_devices > 0 else "cpu"
-        why["launch.device"] = f"auto ({machine.cuda_devices} GPUs visible)"
+        why["launch.device"] = f"auto ({gpus(machine.cuda_devices)} visible)"
     if filled.get("launch.nproc_per_node") == AUTO and device in ("cuda", "cpu"):
         count = machine.cuda_devices if device == "cuda" else CPU_DEFAULT_NPROC
         if count > 0:
@@ -137,7 +162,7 @@ def _gpus_visible(v: Mapping[str, Any], machine: Machine | None) -> str | None:
         return "launch.device is cuda but no GPU is visible; use --device cpu or check CUDA_VISIBLE_DEVICES"
     nproc = v["launch.nproc_per_node"]
     if isinstance(nproc, int) and nproc > machine.cuda_devices:
-        return (f"launch.nproc_per_node: {nproc} workers but {machine.cuda_devices} GPUs visible; "
+        return (f"launch.nproc_per_node: {nproc} workers but {gpus(machine.cuda_devices)} visible; "
                 f"use --nproc-per-node {machine.cuda_devices} or fewer (or --device cpu)")
     return None
 

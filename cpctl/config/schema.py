@@ -200,10 +200,13 @@ class Launch:
     max_restarts: int = key(integer(minimum=0), 0, "times the elastic agent restarts failed workers")
     comm_timeout: int = key(integer(minimum=1), 1800, "seconds a collective waits for its peers before the job "
                             "fails and names the rank that stopped answering (every process group)")
-    script_api: str = key(one_of("cpctl", "accelerate"), "cpctl", "what the script is written with: cpctl's runtime "
-                          "(import cpctl), or accelerate (an Accelerator, or a transformers Trainer), which cpctl "
-                          "launch then configures as `accelerate launch` would", prompt="The training script uses",
-                          choices={"cpctl": "cpctl       cpctl's runtime: rt = cpctl.init()",
+    script_api: str = key(one_of(AUTO, "cpctl", "accelerate"), AUTO, "what the script is written with: cpctl's "
+                          "runtime (import cpctl), or accelerate (an Accelerator, or a transformers or TRL Trainer), "
+                          "which cpctl launch then configures as `accelerate launch` would; auto: read from the "
+                          "script's source at launch", prompt="The training script uses",
+                          choices={"auto": "auto        decided at launch from the script's source (cpctl.init(): "
+                                           "cpctl; an Accelerator or Trainer: accelerate)",
+                                   "cpctl": "cpctl       cpctl's runtime: rt = cpctl.init()",
                                    "accelerate": "accelerate  accelerate's Accelerator, or a transformers Trainer"})
 
 

@@ -49,6 +49,12 @@ class _Command(_Switches, typer.core.TyperCommand):
 
 SWITCH = {"metavar": ""}  # typer.Option(...) keywords of a plain on/off switch
 
+def _dashed(name: str) -> str:
+    """Option names match with `_` read as `-` (`--num_processes` is `--num-processes`), as
+    accelerate launch spells them both ways."""
+    return name.replace("_", "-")
+
+
 app = typer.Typer(
     cls=_Group,
     name="cpctl",
@@ -56,6 +62,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    context_settings={"token_normalize_func": _dashed},
 )
 
 
@@ -104,6 +111,45 @@ def profile_flags(command: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _accelerate_parameter(alias: Any) -> inspect.Parameter:
+    panel = "accelerate launch's flags (same meaning)"
+    if alias.switch is not None:
+        option = typer.Option(alias.name, help=alias.help, rich_help_panel=panel, **SWITCH)
+        return inspect.Parameter(alias.param, inspect.Parameter.KEYWORD_ONLY, default=False,
+                                 annotation=Annotated[bool, option])
+    option = typer.Option(alias.name, help=alias.help, metavar="VALUE", rich_help_panel=panel, show_default=False)
+    return inspect.Parameter(alias.param, inspect.Parameter.KEYWORD_ONLY, default=None,
+                             annotation=Annotated[str | None, option])
+
+
+def accelerate_launch_flags(command: Callable[..., Any]) -> Callable[..., Any]:
+    """Give `command` the flags of `accelerate launch` that cpctl honours (cpctl.launch.accelerate_flags;
+    the ones that are cpctl's own flags already, like --mixed-precision, are not added again);
+    it receives the given ones as `accelerate={name: text}`. accelerate's underscore spellings
+    match through the app's `_dashed`."""
+    from cpctl.launch.accelerate_flags import ALIASES
+
+    own_flags = {spec.flag for spec in PROFILE_FLAGS}
+    registered = [alias for alias in ALIASES if alias.name not in own_flags]
+    signature = inspect.signature(command, eval_str=True)
+    own = [param for name, param in signature.parameters.items() if name != "accelerate"]
+
+    @functools.wraps(command)
+    def wrapper(**kwargs: Any) -> Any:
+        given = {}
+        for alias in registered:
+            value = kwargs.pop(alias.param)
+            if value is not None and value is not False:
+                given[alias.name] = alias.switch if value is True else value
+        return command(**kwargs, accelerate=given)
+
+    parameters = [*own, *(_accelerate_parameter(alias) for alias in registered)]
+    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {param.name: param.annotation for param in parameters}
+    del wrapper.__wrapped__
+    return wrapper
+
+
 # ----------------------------------------------------------------------------- presentation
 
 
@@ -126,7 +172,10 @@ def user_errors() -> Iterator[None]:
 
 
 def _suggest_flag(text: str) -> str:
+    from cpctl.launch.accelerate_flags import ALIASES
+
     known = [spec.flag for spec in PROFILE_FLAGS] + ["--config", "--profile", "--dry-run", "--module"]
+    known += [alias.name for alias in ALIASES if alias.name not in known]
     name = text.split("=")[0]
     # an abbreviation (`--nproc`) means the option it starts; else the closest spelling
     started = [flag for flag in known if flag.startswith(name)] if len(name) > 3 else []
@@ -183,45 +232,90 @@ def config(
     cls=_Command,
     context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "allow_interspersed_args": False},
 )
+@accelerate_launch_flags
 @profile_flags
 def launch(
     *,
     script: Annotated[str | None, typer.Argument(metavar="SCRIPT", help="Training script (a module name with -m).", show_default=False)] = None,
-    args: Annotated[list[str] | None, typer.Argument(metavar="ARGS", help="Passed to the script unchanged.", show_default=False)] = None,
+    args: Annotated[list[str] | None, typer.Argument(metavar="ARGS", help="The script's arguments, passed to it unchanged.", show_default=False)] = None,
     module: Annotated[bool, typer.Option("--module", "-m", help="SCRIPT is a module name, run as `python -m`.", **SWITCH)] = False,
     config: ConfigOption = None,
     profile: ProfileOption = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the resolved profile, mesh layout and worker command; spawn nothing.", **SWITCH)] = False,
     flags: dict[str, str],
+    accelerate: dict[str, str],
 ) -> None:
     """Validate the profile, then start the workers with torchrun (PyTorch's elastic agent).
 
-    Profile options and --dry-run may come before or after SCRIPT; every other argument after
-    SCRIPT, and everything after `--`, goes to the script.
+    cpctl's options go before SCRIPT; everything after SCRIPT is the script's, passed to it
+    unchanged (as torchrun, accelerate launch and python do). `accelerate launch`'s flags for
+    what cpctl has are accepted with accelerate's meaning.
     """
-    from cpctl.config import preview, resolve
-    from cpctl.launch import launcher
+    from cpctl.launch import accelerate_flags, launcher, script_api
+    from cpctl.config import merge_layers, preview, resolve
 
     with user_errors():
         if script is None:
             raise CpctlError("no script given; usage: cpctl launch [OPTIONS] SCRIPT [ARGS]... or cpctl launch -m MODULE [ARGS]...")
         if script.startswith("-"):  # an unknown option lands here, before any script
-            raise CpctlError(f"{script}: unknown option{_suggest_flag(script)}")
-        trailing, trailing_dry_run, script_args = split_trailing_options(list(args or []))
-        if trailing or trailing_dry_run:
-            taken = [spec.flag for spec in PROFILE_FLAGS if spec.path in trailing] + (["--dry-run"] if trailing_dry_run else [])
-            _stderr().print(f"[dim]note: {escape(', '.join(taken))} after the script taken as cpctl options; "
-                            "script options of the same name go after --[/]", soft_wrap=True)
-        given = dict(flags=flags | trailing, config=config, profile_name=profile)
-        if dry_run or trailing_dry_run:  # shown as on the profile's own machine, whatever this one has
+            raise CpctlError(accelerate_flags.refusal(script) or f"{script}: unknown option{_suggest_flag(script)}")
+        script_args = list(args or [])
+
+        def nnodes_of(given_flags: dict[str, str]) -> int:
+            return merge_layers(flags=given_flags, config=config, profile_name=profile)[0].get("launch.nnodes", 1)
+
+        all_flags = accelerate_flags.profile_flags(accelerate, flags=flags, nnodes_of=nnodes_of)
+        use = script_api.detect(script, module=module, cwd=Path.cwd())
+        _note_own_options_after(script, script_args, use)
+        given = dict(flags=all_flags, config=config, profile_name=profile, script=use)
+        if dry_run:  # shown as on the profile's own machine, whatever this one has
             shown = preview(**given)
             plan = launcher.prepare(shown.resolved, target=script, target_args=script_args, module=module)
-            views.print_launch_plan(plan, target=shown.target, problem_here=shown.problem_here)
+            _note_api_disagrees(shown.resolved.profile, use)
+            views.print_launch_plan(plan, target=shown.target, problem_here=shown.problem_here,
+                                    notes=accelerate_flags.nothing_to_set(accelerate))
             return
         resolved = resolve(**given)
         plan = launcher.prepare(resolved, target=script, target_args=script_args, module=module)
+        _note_api_disagrees(resolved.profile, use)
         views.note_without_cp(resolved.profile)
         launcher.launch(plan)
+
+
+def _note_api_disagrees(profile: Any, use: Any) -> None:
+    """launch.script_api set by hand against what the script's source shows: say so first."""
+    from cpctl.launch.script_api import disagreement
+
+    why = None if use is None else disagreement(use, api=profile.launch.script_api, cp_size=profile.parallelism.cp_size)
+    if why is not None:
+        _stderr().print(f"[yellow]note:[/] {escape(why)}", soft_wrap=True)
+
+
+def _note_own_options_after(script: str, script_args: list[str], use: Any) -> None:
+    """A cpctl option after SCRIPT is the script's; when the script's source never mentions it,
+    it most likely was meant for cpctl: say where it goes (the script still gets it)."""
+    from cpctl.launch.accelerate_flags import ALIASES
+
+    switches = {"--dry-run"} | {alias.name for alias in ALIASES if alias.switch}
+    own = {spec.flag for spec in PROFILE_FLAGS} | {"--config", "--profile"} | switches
+    own |= {alias.name for alias in ALIASES}
+    mentioned = use.options if use is not None else frozenset()
+    meant: list[str] = []
+    names: list[str] = []
+    for index, arg in enumerate(script_args):
+        if arg == "--":  # what follows was written for the script on purpose
+            break
+        name = arg.split("=", 1)[0]
+        if _dashed(name) in own and name not in mentioned:
+            value = script_args[index + 1] if "=" not in arg and name not in switches and index + 1 < len(script_args) else None
+            meant += [arg] if value is None or value.startswith("-") else [arg, value]
+            names.append(name)
+    if meant:
+        one = len(names) == 1
+        _stderr().print(f"[yellow]note:[/] {escape(', '.join(dict.fromkeys(names)))} after {escape(script)} "
+                        f"{'goes' if one else 'go'} to the script, which does not mention {'it' if one else 'them'}; "
+                        f"cpctl's options go before SCRIPT: cpctl launch {escape(' '.join(meant))} {escape(script)} ...",
+                        soft_wrap=True)
 
 
 @app.command(cls=_Command)
@@ -339,39 +433,6 @@ def plan(
                               indent=2))
         return
     views.print_memory_plan(result, resolved)
-
-
-# cpctl options that may also follow SCRIPT (`cpctl launch train.py --cp-size 8` works as written). --config
-# and --profile are not among them: scripts often take options of those names.
-TRAILING_FLAGS = {spec.flag: spec.path for spec in PROFILE_FLAGS}
-TRAILING_SWITCHES = {"--dry-run"}
-
-
-def split_trailing_options(script_args: list[str]) -> tuple[dict[str, str], bool, list[str]]:
-    """cpctl's own options among the arguments after SCRIPT, up to a `--` that ends them.
-
-    Returns (profile flags by key path, whether --dry-run was given, the script's arguments).
-    """
-    flags: dict[str, str] = {}
-    dry_run = False
-    rest: list[str] = []
-    args = iter(script_args)
-    for arg in args:
-        if arg == "--":
-            rest.extend(args)
-            break
-        name, has_value, value = arg.partition("=")
-        if name in TRAILING_SWITCHES and not has_value:
-            dry_run = True
-        elif name in TRAILING_FLAGS:
-            if not has_value:
-                value = next(args, None)
-                if value is None:
-                    raise CpctlError(f"{name} needs a value, e.g. {name} 2")
-            flags[TRAILING_FLAGS[name]] = value
-        else:
-            rest.append(arg)
-    return flags, dry_run, rest
 
 
 def main() -> None:

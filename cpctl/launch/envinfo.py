@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from cpctl.errors import CpctlError
+from cpctl.config.rules import gpus
 from cpctl.config import (
     LOCAL_PROFILE,
     PROFILE_ENV_VAR,
@@ -24,7 +26,6 @@ from cpctl.config import (
     target_machine,
     user_config_dir,
 )
-from cpctl.errors import CpctlError
 from cpctl import versions
 
 REPORTED_PACKAGES = ("cpctl", "torch", "numpy", "typer", "rich", "pyyaml", "questionary")
@@ -125,7 +126,7 @@ def _device_checks(resolved: Resolved) -> list[Check]:
         devices = Check(
             "devices",
             count >= launch.nproc_per_node,
-            f"{count} GPUs usable by torch, {launch.nproc_per_node} needed per node",
+            f"{gpus(count)} usable by torch, {launch.nproc_per_node} needed per node",
         )
         backend_name, available = "nccl", dist.is_available() and dist.is_nccl_available()
     else:

@@ -21,6 +21,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -85,12 +86,14 @@ def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], 
         # torchrun honours --node-rank only for its static backend and warns that it ignores it.
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}"]
     argv.append(f"--tee={TEE_ALL}")  # tee'd output is what torchrun prefixes with the rank
+    # `--` ends torchrun's options: its parser would otherwise read the script's own options
+    # (`--log` as an abbreviation of its --log-dir, `--nnodes` as its own).
     if profile.launch.script_api == "accelerate":
         # cpctl's steps go in front of accelerate's first, then the script runs (cpctl.integrations.accelerate_shim).
-        return [*argv, "--module", ACCELERATE_SHIM, *(["-m"] if module else []), target, *target_args]
+        return [*argv, "--module", "--", ACCELERATE_SHIM, *(["-m"] if module else []), target, *target_args]
     if module:
         argv.append("--module")
-    return [*argv, target, *target_args]
+    return [*argv, "--", target, *target_args]
 
 
 def worker_env(profile: Profile, *, environ: Mapping[str, str]) -> dict[str, str]:
@@ -146,19 +149,20 @@ def launch(plan: Plan) -> None:
     # One directory per launch: each worker writes its traceback here when it fails (see
     # cpctl.runtime.process), and torchrun its logs (else it leaves a torchelastic_* directory in /tmp
     # every time). Removed after a launch that went well; kept, and named, after a failure.
-    error_dir = tempfile.mkdtemp(prefix="cpctl-")
-    argv = [f"--log-dir={Path(error_dir) / 'torchrun'}", *plan.torchrun_args]
+    error_dir = Path(tempfile.mkdtemp(prefix="cpctl-"))
+    logs = error_dir / "torchrun"
+    argv = [f"--log-dir={logs}", *plan.torchrun_args]
     try:
-        with _environ({**plan.env, ERROR_DIR_ENV_VAR: error_dir}):
+        with _environ({**plan.env, ERROR_DIR_ENV_VAR: str(error_dir)}):
             _run_torchrun(argv, nnodes=profile.launch.nnodes)
     except KeyboardInterrupt:  # Ctrl-C before torchrun's agent installed its own handlers
-        shutil.rmtree(error_dir, ignore_errors=True)
         raise LaunchError("interrupted; workers stopped", exit_code=128 + signal.SIGINT) from None
-    except LaunchError as failure:
-        if not any(Path(error_dir).glob("*traceback*.txt")):  # nothing of the workers' to look at
+    finally:
+        # Whatever ended the launch, only the workers' traceback files stay (the error names
+        # them); torchrun's logs repeat what the console showed.
+        shutil.rmtree(logs, ignore_errors=True)
+        if not any(error_dir.glob("*traceback*.txt")):
             shutil.rmtree(error_dir, ignore_errors=True)
-        raise failure
-    shutil.rmtree(error_dir, ignore_errors=True)
 
 
 def check_cuda_devices(nproc_per_node: int, *, device_count: int, environ: Mapping[str, str]) -> None:
@@ -189,7 +193,7 @@ def _run_torchrun(argv: list[str], *, nnodes: int = 1) -> None:
     args = torchrun.get_args_parser().parse_args(argv)
     watch = _RendezvousWatch(args, nnodes=nnodes) if nnodes > 1 else contextlib.nullcontext()
     try:
-        with _quiet_worker_failures(), watch:
+        with _quiet_worker_failures(), _single_rank_prefix(), watch:
             torchrun.run(args)
     except ChildFailedError as exc:
         raise _worker_failure(exc) from None
@@ -269,6 +273,35 @@ def _root_cause(failures: Mapping[int, object]) -> tuple[int, object]:
         return (3 if stopped else 1, float(failure.timestamp))  # type: ignore[attr-defined]
 
     return min(failures.items(), key=order)
+
+
+class _SinglePrefix:
+    """A console stream that writes a doubled rank prefix once. In a worker that started
+    torch.distributed itself (not through cpctl.init: accelerate, a plain torch script), torch's
+    excepthook prefixes each traceback line with "[rankN]: ", and torchrun's tee prefixes every
+    line it copies to this console with the same."""
+
+    DOUBLED = re.compile(r"^(\[rank\d+\]: )\1+", re.MULTILINE)
+
+    def __init__(self, stream: object) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        return self._stream.write(self.DOUBLED.sub(r"\1", text))  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stream, name)
+
+
+@contextlib.contextmanager
+def _single_rank_prefix() -> Iterator[None]:
+    """sys.stdout and sys.stderr, where torchrun's tee writes the workers' lines, as _SinglePrefix."""
+    saved = sys.stdout, sys.stderr
+    sys.stdout, sys.stderr = _SinglePrefix(sys.stdout), _SinglePrefix(sys.stderr)  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
 
 
 class _QuietWorkerFailures(logging.Filter):

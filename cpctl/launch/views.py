@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from cpctl.launch.launcher import Plan
 
 MESH_HEAD_ROWS, MESH_TAIL_ROWS = 16, 4  # larger worlds print the first and last ranks only
+PLAN_WIDE_COLUMNS = 120  # narrower terminals get `cpctl plan`'s "counted as" below its table
 
 
 ENGINES = {
@@ -42,45 +43,61 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
     seq = planner.format_tokens(estimate.seq_len)
     batch = f", {setup.batch} sequences per step" if setup.batch > 1 else ""
     out.print(f"[bold]cpctl plan[/]: {escape(model.name)} ({model.params / 1e9:.2f}B parameters, vocab "
-              f"{model.vocab_size}, {model.n_layers} layers, dim {model.dim}) at {seq} tokens{batch}", soft_wrap=True)
-    out.print(f"{escape(setup.describe())}; {estimate.local_tokens:,} tokens per GPU", soft_wrap=True)
-    out.print(f"[dim]profile as on {escape(resolved.target)}{'; ' + escape(resolved.note) if resolved.note else ''}[/]",
-              soft_wrap=True)
+              f"{model.vocab_size}, {model.n_layers} layers, dim {model.dim}) at {seq} tokens{batch}")
+    out.print(f"{escape(setup.describe())}; {estimate.local_tokens:,} tokens per GPU")
+    out.print(f"[dim]profile as on {escape(resolved.target)}{'; ' + escape(resolved.note) if resolved.note else ''}[/]")
     for note in model.notes:
-        out.print(f"[yellow]note:[/] {escape(note)}", soft_wrap=True)
+        out.print(f"[yellow]note:[/] {escape(note)}")
 
     peak, block = estimate.peak_moment, estimate.block_moment
     block_titles = {"mlp_backward": "block bwd: MLP", "attention_backward": "block bwd: attention",
                     "last_block_backward": "last block bwd"}
     columns = [("loss", "loss"), (block, block_titles[block]), ("optimizer_step", "opt. step")]
+    # On a narrow terminal "counted as" gets a table of its own below, instead of a column
+    # squeezed into one word per line.
+    beside = out.width >= PLAN_WIDE_COLUMNS
     table = Table(show_edge=False, title="memory per GPU, GiB", title_justify="left")
-    table.add_column("term")
+    table.add_column("term", no_wrap=True)
     for moment, title in columns:
         shown_peak = moment == peak
         table.add_column(f"[bold]{title} (peak)[/]" if shown_peak else title, justify="right")
-    table.add_column("counted as", overflow="fold")
+    if beside:
+        table.add_column("counted as", overflow="fold")
 
     def cell(value: float) -> str:
         return f"{value / gib:.1f}" if value >= 0.05 * gib else "-"
 
+    def row(name: str, cells: list[str], how: str) -> None:
+        table.add_row(name, *cells, *([how] if beside else []))
+
+    hows = [(term.name, escape(term.how)) for term in estimate.terms] + [("peak allocated", "torch.cuda.max_memory_allocated")]
     for term in estimate.terms:
-        table.add_row(term.name, *[cell(term.at[moment]) for moment, _ in columns], escape(term.how))
+        row(term.name, [cell(term.at[moment]) for moment, _ in columns], escape(term.how))
     table.add_section()
     at_peak = {moment: moment == peak for moment, _ in columns}
-    table.add_row("[bold]peak allocated[/]", *[f"[bold]{cell(estimate.total(m))}[/]" if at_peak[m] else cell(estimate.total(m))
-                                               for m, _ in columns], "torch.cuda.max_memory_allocated")
+    row("[bold]peak allocated[/]", [f"[bold]{cell(estimate.total(m))}[/]" if at_peak[m] else cell(estimate.total(m))
+                                    for m, _ in columns], "torch.cuda.max_memory_allocated")
     extra = [("+ allocator headroom", estimate.headroom, f"{planner.ALLOCATOR_HEADROOM:.1%} of the peak: allocator fragments"),
              ("+ CUDA/NCCL overhead", estimate.overhead, "CUDA context, workspaces, NCCL")]
     for name, value, how in extra:
-        table.add_row(name, *[cell(value) if at_peak[m] else "" for m, _ in columns], how)
+        row(name, [cell(value) if at_peak[m] else "" for m, _ in columns], how)
+        hows.append((name, how))
     verdict = "[green]fits[/]" if estimate.fits else "[bold red]does not fit[/]"
-    table.add_row("[bold]needed[/]", *[f"[bold]{cell(estimate.needed)}[/]" if at_peak[m] else "" for m, _ in columns],
-                  f"of {estimate.gpu_memory_gib:g} GiB: {verdict}")
+    row("[bold]needed[/]", [f"[bold]{cell(estimate.needed)}[/]" if at_peak[m] else "" for m, _ in columns],
+        f"of {estimate.gpu_memory_gib:g} GiB: {verdict}")
     out.print(table)
+    if not beside:
+        out.print(f"needed {cell(estimate.needed)} GiB of {estimate.gpu_memory_gib:g} GiB per GPU: {verdict}")
+        legend = Table(show_edge=False, show_header=False, box=None, padding=(0, 1), title="counted as",
+                       title_justify="left")
+        legend.add_column(no_wrap=True, style="dim")
+        legend.add_column(overflow="fold")
+        for name, how in hows:
+            legend.add_row(name, how)
+        out.print(legend)
     if estimate.host_bytes:
         out.print(f"pinned host memory per GPU: {estimate.host_bytes / gib:.1f} GiB (offloaded blocks, each rounded up "
-                  "to a power of two by PyTorch's pinned allocator; keep it well below the machine's RAM / GPUs)",
-                  soft_wrap=True)
+                  "to a power of two by PyTorch's pinned allocator; keep it well below the machine's RAM / GPUs)",)
 
     if result.suggestions:
         out.print()
@@ -112,7 +129,7 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
     line = f"{seq} tokens need {needs(result.needed)} with these options"
     if result.all_options:
         line += f", {needs(result.needed_all)} with + {better}"
-    out.print(escape(line) + ".", soft_wrap=True)
+    out.print(escape(line) + ".")
 
 
 # ----------------------------------------------------------------------------- dry run
@@ -125,7 +142,14 @@ def note_without_cp(profile) -> None:
                         "(pass --cp-size N, or a profile such as --profile cpu-try)", soft_wrap=True)
 
 
-def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None) -> None:
+SCRIPT_APIS = {
+    "cpctl": "a cpctl script: its cpctl.init() reads the profile",
+    "accelerate": "an accelerate script: the profile becomes accelerate's environment, the worker starts in "
+                  "cpctl.integrations.accelerate_shim",
+}
+
+
+def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None, notes: list[str] = ()) -> None:
     from cpctl.launch.envinfo import describe
     from cpctl.layout import MESH_AXES, mesh_table
 
@@ -142,6 +166,11 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None) -> N
         shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
         profile_table.add_row(path, escape(shown), escape(source))
     out.print(profile_table)
+    for note in notes:
+        out.print(f"[dim]{escape(note)}[/]", soft_wrap=True)
+    api, source = resolved.profile.launch.script_api, resolved.sources.get("launch.script_api", "default")
+    why = f"auto: {source[len('auto ('):-1]}" if source.startswith("auto (") else source
+    out.print(f"[bold]Script[/]: {SCRIPT_APIS[api]} (launch.script_api {api}; {escape(why)})", soft_wrap=True)
 
     profile = resolved.profile
     world, nproc = profile.world_size, profile.launch.nproc_per_node

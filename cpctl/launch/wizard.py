@@ -27,7 +27,7 @@ from rich.text import Text
 
 from cpctl import config
 from cpctl.config import AUTO, KEYS
-from cpctl.config.rules import Machine, fill_auto, first_problem, world_size
+from cpctl.config.rules import Machine, fill_auto, first_problem, gpus, world_size
 from cpctl.errors import CpctlError
 
 DEFAULT_OUTPUT = Path(config.LOCAL_PROFILE)
@@ -176,8 +176,8 @@ def _ask_all(ask: _Asker) -> None:
     key reaches the wizard with its declaration alone.
     """
     answers, machine = ask.answers, ask.machine
-    ask.select("launch.script_api", default="cpctl")
-    here = f"cuda here, {machine.cuda_devices} GPUs visible" if machine.cuda_devices else "cpu here, no GPU visible"
+    ask.select("launch.script_api", default=AUTO)
+    here = f"cuda here, {gpus(machine.cuda_devices)} visible" if machine.cuda_devices else "cpu here, no GPU visible"
     ask.select("launch.device", default=AUTO, extra={AUTO: f"auto  cuda if a GPU is visible ({here})"})
 
     ask.text("launch.nnodes", default=1)
@@ -191,7 +191,7 @@ def _ask_all(ask: _Asker) -> None:
         hint = "GPUs per machine; none visible here"
     elif device == "cuda":
         nproc_candidates = list(range(machine.cuda_devices, 0, -1))
-        hint = f"auto = {machine.cuda_devices} visible GPUs"
+        hint = f"auto = the {gpus(machine.cuda_devices)} visible"
     else:
         nproc_candidates = [config.CPU_DEFAULT_NPROC, *range(config.CPU_DEFAULT_NPROC + 1, 65), 1]
         hint = f"auto = {config.CPU_DEFAULT_NPROC} on cpu"
@@ -242,15 +242,21 @@ def _ask_all(ask: _Asker) -> None:
 def profile_yaml(answers: Answers, *, output: Path) -> str:
     """The profile file: a header comment, then the answered keys in schema order."""
     tree = config.to_tree({"version": config.PROFILE_VERSION, **answers})
+    nnodes = answers.get("launch.nnodes", 1)
     header = (
         "# cpctl profile written by `cpctl config`; check it with `cpctl check --config FILE`.\n"
-        f"# Launch: {launch_command(output)}\n"
+        f"# Launch{_on_every_machine(nnodes)}: {launch_command(output)}\n"
     )
     return header + config.to_yaml(tree)
 
 
 def launch_command(output: Path) -> str:
     return f"cpctl launch --config {shlex.quote(str(output))} your_script.py"
+
+
+def _on_every_machine(nnodes: int) -> str:
+    """Several machines each run the same command; the rendezvous numbers them as they join."""
+    return f" (the same command on each of the {nnodes} machines)" if nnodes > 1 else ""
 
 
 def _validated(text: str, *, answers: Answers, machine: Machine, given: Mapping[str, str]) -> config.Resolved:
@@ -381,6 +387,9 @@ def run_config(
                          "to decide about it, or pass another --output")
     _write(output, text)
     console.print(summary_table(answers, ask.origins, resolved, output=output))
-    console.print(Text(f"Wrote {output}. Launch with:"))
+    nnodes = resolved.profile.launch.nnodes
+    where = (f", on each of the {nnodes} machines (the same command on every one; they meet at "
+             f"{resolved.profile.launch.rdzv_endpoint})") if nnodes > 1 else ""
+    console.print(Text(f"Wrote {output}. Launch with{where}:"))
     console.print(Text("  " + launch_command(output), style="bold"))
     return EXIT_WRITTEN

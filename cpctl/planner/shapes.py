@@ -81,7 +81,13 @@ def load_model(spec: str) -> ModelShape:
     if path.is_dir():
         path = path / "config.json"
     if not path.exists() and ("/" in spec or spec.endswith(".json")):
-        raise CpctlError(f"--model {spec}: no such file (a Hugging Face config.json, or the directory holding one)")
+        preset = hub_preset(spec)
+        if preset is not None:  # a Hub id whose shape is a preset's: nothing to download
+            note = (f"{spec} is not a file here; it has the shape of the preset {preset.name}, used here "
+                    "(cpctl plan downloads nothing; for another model pass its config.json)")
+            return dataclasses.replace(preset, notes=(*preset.notes, note))
+        raise CpctlError(f"--model {spec}: no such file (a Hugging Face config.json, or the directory holding one; "
+                         f"cpctl plan downloads nothing) and no preset of that name (presets: {', '.join(PRESETS)})")
     if not path.exists():
         close = difflib.get_close_matches(spec, PRESETS, n=1)
         hint = f"; did you mean {close[0]}?" if close else ""
@@ -96,6 +102,15 @@ def load_model(spec: str) -> ModelShape:
     if not isinstance(config, dict):
         raise CpctlError(f"{path}: not a Hugging Face config.json (a JSON object was expected)")
     return model_from_hf_config(config, name=str(path))
+
+
+def hub_preset(spec: str) -> ModelShape | None:
+    """The preset a Hugging Face Hub id names (`meta-llama/Llama-3.2-1B`, `...-Instruct`,
+    `meta-llama/Meta-Llama-3.1-8B`: the same shapes), else None."""
+    name = spec.rstrip("/").rpartition("/")[2].lower().removeprefix("meta-")
+    for suffix in ("-instruct", "-hf"):
+        name = name.removesuffix(suffix)
+    return PRESETS.get(name)
 
 
 def model_from_hf_config(config: Mapping[str, Any], *, name: str) -> ModelShape:
