@@ -192,6 +192,12 @@ def test_a_gpu_profile_is_previewed_anywhere_but_launched_only_where_it_fits(scr
     assert_one_line_error(cpctl("launch", *args, env={"CUDA_VISIBLE_DEVICES": visible}), *fragments)
 
 
+def test_one_gpu_is_one_gpu(script: Path) -> None:
+    result = cpctl("launch", "--dry-run", "--device", "cuda", "--nproc-per-node", "1", "train.py")
+    assert result.exit_code == 0, result.output
+    assert "as on a node with 1 GPU (as the profile asks)" in result.stdout and "1 GPUs" not in result.output
+
+
 @pytest.mark.parametrize(
     ("text", "fragments"),
     [
