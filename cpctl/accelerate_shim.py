@@ -191,15 +191,15 @@ def _trainer_takes_cpctl_attention(runtime: Any) -> None:
                              "trainer.evaluate() runs before trainer.train()); call train() first")
         with runtime.caller_counts_loss_tokens():
             result = compute_loss(self, model, *args, **kwargs)
-        if model.training or runtime.cp_size == 1:
+        if model.training or runtime.seq_size == 1:
             return result
         # Evaluation: each CP rank's loss covers its shard only, and accelerate's
         # gather_for_metrics keeps one CP rank's value (they hold the same samples); give every
         # CP rank their mean, which is the batch's loss (the Trainer scaled each by the ranks).
         loss = result[0] if isinstance(result, tuple) else result
         loss = loss.detach().clone()
-        torch.distributed.all_reduce(loss, group=runtime.cp_group)
-        loss /= runtime.cp_size
+        torch.distributed.all_reduce(loss, group=runtime.seq_group)
+        loss /= runtime.seq_size
         return (loss, *result[1:]) if isinstance(result, tuple) else loss
 
     Trainer._prepare_context_parallel_inputs = checked_as_cpctl

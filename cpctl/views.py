@@ -120,7 +120,7 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
 
 def note_without_cp(profile) -> None:
     """CP is what cpctl is for: a launch without it says so first."""
-    if profile.parallelism.cp_size == 1:
+    if profile.parallelism.cp_size == 1 and profile.parallelism.sp_size == 1:
         _stdout().print("[yellow]note:[/] cp_size 1: no context parallelism, each rank holds whole sequences "
                         "(pass --cp-size N, or a profile such as --profile cpu-try)", soft_wrap=True)
 

@@ -65,7 +65,7 @@ class ChunkLayout:
             fit = (seq_len // self.num_chunks + 1) * self.num_chunks
             raise CpctlError(
                 f"{what} {seq_len} is not divisible by {reason}; pad the sequence to {fit} tokens "
-                f"or choose another cp_size"
+                f"or choose another {'cp_size or sp_size' if self.divisor_reason else 'cp_size'}"
             )
 
 
