@@ -2,6 +2,9 @@
 
     torchrun --nproc-per-node 4 tests/workers/ulysses_cases.py OUT.jsonl
 
+On CUDA (NCCL) the same cases run in bf16 against the fp32 reference, with the layouts the
+world allows; the CPU test suite runs it with gloo in fp32.
+
 Every (cp, sp) layout of the world in LAYOUTS runs every case; with fewer sp x cp ranks than
 the world, the other ranks form more groups that compute the same case side by side (the dp
 axis). Rank 0 writes one JSON object per (layout, case): the max abs error of the output and
@@ -10,6 +13,7 @@ of dq/dk/dv against the reference, on the whole sequence.
 
 import itertools
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -58,12 +62,14 @@ def run_case(*, mesh, seq_mesh, strategy, causal, load_balance, q_heads, kv_head
         if load_balance:  # the cost-balanced ring layout the runtime would pick
             ring = place(documents, seq_len=seq, cp_size=cp, cp_rank=cp_mesh.get_local_rank(), pieces=sp).layout
     layout = sequence_layout(ring, sp_size=sp, sp_rank=sp_mesh.get_local_rank())
-    dtype = getattr(torch, dtype)
+    on_cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if on_cuda and dtype == "float32" else getattr(torch, dtype)
     gen = torch.Generator().manual_seed(1234)
-    head_dim, v_dim = 16, v_dim or 16
+    head_dim, v_dim = (64, v_dim and v_dim * 4 or 64) if on_cuda else (16, v_dim or 16)
 
     def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
 
     q, dout = rand(batch, q_heads, seq, head_dim), rand(batch, q_heads, seq, v_dim)
     k, v = rand(batch, kv_heads, seq, head_dim), rand(batch, kv_heads, seq, v_dim)
@@ -92,13 +98,19 @@ def run_case(*, mesh, seq_mesh, strategy, causal, load_balance, q_heads, kv_head
 
 def main():
     output = sys.argv[1]
-    dist.init_process_group("gloo")
+    on_cuda = torch.cuda.is_available()
+    if on_cuda:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if on_cuda else "gloo")
     world = dist.get_world_size()
     records = []
-    for cp, sp in LAYOUTS:
-        mesh = init_device_mesh("cpu", (world // (cp * sp), cp, sp), mesh_dim_names=("dp", "cp", "sp"))
+    for cp, sp in LAYOUTS if not on_cuda else [(c, s) for c, s in ((1, world), (2, world // 2)) if c * s == world]:
+        mesh = init_device_mesh("cuda" if on_cuda else "cpu", (world // (cp * sp), cp, sp),
+                                mesh_dim_names=("dp", "cp", "sp"))
         seq_mesh = mesh["cp", "sp"]._flatten("seq")  # the ranks that split one sequence, cp-major
         for case in cases(cp):
+            if on_cuda and case.get("dtype") == "float64":
+                continue
             seq, errors = run_case(mesh=mesh, seq_mesh=seq_mesh, **case)
             records.append(dict(world=world, cp=cp, sp=sp, seq=seq, **case, errors=errors))
     if dist.get_rank() == 0:
