@@ -95,7 +95,7 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
         out.print(advice)
 
     out.print()
-    scan = Table(show_edge=False, title=f"longest sequence that fits, all GPUs on CP, {estimate.gpu_memory_gib:g} GiB each",
+    scan = Table(show_edge=False, title=f"longest sequence that fits, all GPUs splitting it, {estimate.gpu_memory_gib:g} GiB each",
                  title_justify="left")
     scan.add_column("GPUs")
     for gpus, _, _ in result.longest:
@@ -104,7 +104,16 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
     better = ", ".join(planner.option_names(result.all_options))
     if result.all_options:
         scan.add_row(f"+ {escape(better)}", *[planner.format_tokens(n) if n else "-" for _, _, n in result.longest])
+    if result.longest_sp:
+        by_gpus = {gpus: (layout, n) for gpus, layout, n in result.longest_sp}
+        scan.add_row("Ulysses: sp x cp", *[f"{by_gpus[g][0].sp}x{by_gpus[g][0].cp}" if g in by_gpus else "-"
+                                           for g, _, _ in result.longest])
+        scan.add_row("  these options", *[planner.format_tokens(by_gpus[g][1]) if g in by_gpus and by_gpus[g][1]
+                                         else "-" for g, _, _ in result.longest])
     out.print(scan)
+    if result.layout is not None and result.layout.sp > 1:
+        out.print(f"Split for {estimate.setup.seq_ranks} sequence GPUs: --sp-size {result.layout.sp} --cp-size "
+                  f"{result.layout.cp} ({escape(result.layout.reason)}).", soft_wrap=True)
 
     def needs(found) -> str:
         return "more than 4096 GPUs" if found is None else f"{found.setup.gpus} GPU{'s' if found.setup.gpus > 1 else ''}"

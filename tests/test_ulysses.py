@@ -72,3 +72,23 @@ def test_matches_single_process_sdpa(records, cp: int, sp: int, case: dict) -> N
     errors = records[case_id(cp, sp, case)]["errors"]
     assert sorted(errors) == ["dk", "dq", "dv", "out"]
     assert all(error <= TOLERANCE for error in errors.values()), errors
+
+
+PLAIN = [(cp, sp, case) for cp, sp, case in ALL
+         if set(case) == {"strategy", "causal", "load_balance", "q_heads", "kv_heads", "batch"}]
+
+
+@pytest.mark.parametrize(("cp", "sp", "case"), PLAIN, ids=[case_id(*c) for c in PLAIN])
+def test_what_attention_keeps_for_backward_is_what_cpctl_plan_counts(records, cp: int, sp: int, case: dict) -> None:
+    """The planner's per-token attention tensors (less the norm's) times this rank's tokens: the
+    bytes autograd keeps in one Ulysses call, K/V repeated for fewer heads than sp included."""
+    from cpctl.planner import ModelShape, Setup, Sizes
+    from cpctl.planner.terms import _norm_saved, attention_saved_per_token
+
+    record = records[case_id(cp, sp, case)]
+    head_dim = 16
+    model = ModelShape("test", vocab_size=8, dim=case["q_heads"] * head_dim, n_layers=1, n_heads=case["q_heads"],
+                       n_kv_heads=case["kv_heads"], ffn_dim=8, head_dim=head_dim)
+    sizes = Sizes(model, Setup(gpus=cp * sp, cp=cp, sp=sp, precision="no", batch=case["batch"]), record["seq"])
+    per_token = attention_saved_per_token(sizes) - _norm_saved(sizes)
+    assert record["saved_bytes"] == per_token * sizes.local_tokens

@@ -81,9 +81,16 @@ def run_case(*, mesh, seq_mesh, strategy, causal, load_balance, q_heads, kv_head
     ref.backward(dout.to(ref_dtype))
 
     local = [shard(t, seq_dim=2, layout=layout).requires_grad_() for t in (q, k, v)]
-    out = ulysses_attention(*local, sp_group=sp_mesh.get_group(), cp_group=cp_mesh.get_group(), ring_layout=ring,
-                            strategy=strategy, is_causal=causal, enable_gqa=kv_heads != q_heads, window=window,
-                            chunk=chunk, documents=documents)
+    saved = {}  # what autograd keeps for backward, by storage: cpctl plan's Ulysses terms count it per token
+
+    def pack(tensor):
+        saved[(tensor.untyped_storage().data_ptr(), tensor.device)] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = ulysses_attention(*local, sp_group=sp_mesh.get_group(), cp_group=cp_mesh.get_group(), ring_layout=ring,
+                                strategy=strategy, is_causal=causal, enable_gqa=kv_heads != q_heads, window=window,
+                                chunk=chunk, documents=documents)
     out.backward(shard(dout, seq_dim=2, layout=layout))
 
     def full(local_tensor):
@@ -93,7 +100,8 @@ def run_case(*, mesh, seq_mesh, strategy, causal, load_balance, q_heads, kv_head
 
     results = {"out": full(out.detach()), **{f"d{n}": full(t.grad) for n, t in zip("qkv", local)}}
     expected = {"out": ref.detach(), "dq": ref_inputs[0].grad, "dk": ref_inputs[1].grad, "dv": ref_inputs[2].grad}
-    return seq, {name: (results[name].to(ref_dtype) - expected[name]).abs().max().item() for name in expected}
+    errors = {name: (results[name].to(ref_dtype) - expected[name]).abs().max().item() for name in expected}
+    return seq, errors, sum(saved.values())
 
 
 def main():
@@ -111,8 +119,8 @@ def main():
         for case in cases(cp):
             if on_cuda and case.get("dtype") == "float64":
                 continue
-            seq, errors = run_case(mesh=mesh, seq_mesh=seq_mesh, **case)
-            records.append(dict(world=world, cp=cp, sp=sp, seq=seq, **case, errors=errors))
+            seq, errors, saved_bytes = run_case(mesh=mesh, seq_mesh=seq_mesh, **case)
+            records.append(dict(world=world, cp=cp, sp=sp, seq=seq, **case, errors=errors, saved_bytes=saved_bytes))
     if dist.get_rank() == 0:
         Path(output).write_text("".join(json.dumps(record) + "\n" for record in records))
     dist.destroy_process_group()
