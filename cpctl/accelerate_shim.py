@@ -235,7 +235,7 @@ def _check_sizes(accelerator: Any, profile: config.Profile) -> None:
     built = getattr(accelerator, "parallelism_config", None)
     parallel = profile.parallelism
     wanted = {"dp_replicate_size": parallel.dp_replicate_size, "dp_shard_size": parallel.dp_shard_size,
-              "cp_size": parallel.cp_size, "tp_size": parallel.tp_size}
+              "cp_size": parallel.cp_size, "sp_size": parallel.sp_size, "tp_size": parallel.tp_size}
     if built is None:
         if parallel.cp_size > 1:
             raise CpctlError(f"the script's Accelerator has no parallelism_config, so cp_size {parallel.cp_size} would be "

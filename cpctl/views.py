@@ -134,6 +134,20 @@ def note_without_cp(profile) -> None:
                         "(pass --cp-size N, or a profile such as --profile cpu-try)", soft_wrap=True)
 
 
+def ulysses_note(profile) -> str | None:
+    """What sp_size does in this layout, and what it asks of the model, in one line (None without it)."""
+    par, nproc = profile.parallelism, profile.launch.nproc_per_node
+    if par.sp_size == 1:
+        return None
+    span = par.sp_size * par.tp_size
+    where = ("inside one node" if nproc % span == 0 else
+             f"across nodes (sp x tp = {span} > {nproc} processes per node: its all-to-all leaves NVLink)")
+    ring = f", the {par.cp_comm_strategy} ring over cp {par.cp_size} outside it" if par.cp_size > 1 else ""
+    return (f"Ulysses: sp {par.sp_size} on consecutive ranks, {where}{ring}; each sequence is split over "
+            f"cp x sp = {par.cp_size * par.sp_size} ranks. The model's attention heads (per tp rank) must divide by "
+            f"{par.sp_size} (checked at prepare_model); K/V heads fewer than {par.sp_size} are repeated, exactly.")
+
+
 def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None) -> None:
     from cpctl.envinfo import describe
     from cpctl.layout import MESH_AXES, mesh_table
@@ -172,6 +186,9 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None) -> N
     out.print(mesh)
     if world > MESH_HEAD_ROWS + MESH_TAIL_ROWS:
         out.print(f"[dim]{world - MESH_HEAD_ROWS - MESH_TAIL_ROWS} ranks not shown[/]")
+    ulysses = ulysses_note(profile)
+    if ulysses:
+        out.print(escape(ulysses), soft_wrap=True)
     if profile.launch.nnodes > 1:
         out.print(
             "[dim]node = the machine's place in the c10d rendezvous, which numbers machines as they join "

@@ -466,3 +466,24 @@ def test_config_yes_writes_a_profile_that_checks(isolated: Path) -> None:
 def test_config_rejects_a_bad_flag_in_one_line(isolated: Path) -> None:
     assert_one_line_error(cpctl("config", "--yes", "--cp-size", "two"), "two")
     assert not (isolated / "cpctl.yaml").exists()
+
+
+def test_dry_run_says_what_ulysses_does(script: Path) -> None:
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--nproc-per-node", "4", "--sp-size", "2", "--cp-size", "2",
+                   "train.py")
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.stdout)
+    assert rows["parallelism.sp_size"] == ["2", "flag --sp-size"]
+    assert rows["parallelism.dp_shard_size"] == ["1", "auto (world 4 / 4)"]
+    # rank -> node, local rank, dp_replicate, dp_shard, cp, sp, tp: sp peers are neighbours
+    assert [rows[str(rank)][4:6] for rank in range(4)] == [["0", "0"], ["0", "1"], ["1", "0"], ["1", "1"]]
+    text = " ".join(result.stdout.split())
+    assert "Ulysses: sp 2 on consecutive ranks, inside one node, the allgather ring over cp 2 outside it" in text
+    assert "K/V heads fewer than 2 are repeated, exactly" in text
+    assert "no context parallelism" not in text
+    wide = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--rdzv-endpoint", "h:1",
+                 "--nproc-per-node", "2", "--sp-size", "4", "train.py")
+    assert wide.exit_code == 0, wide.output
+    assert "across nodes (sp x tp = 4 > 2 processes per node" in " ".join(wide.stdout.split())
+    bad = cpctl("launch", "--dry-run", "--device", "cpu", "--nproc-per-node", "4", "--sp-size", "3", "train.py")
+    assert bad.exit_code == 2 and "sp(3)" in bad.output

@@ -230,6 +230,10 @@ def _accelerate_limits(v: Mapping[str, Any], machine: Machine | None) -> str | N
     """Layouts an accelerate script cannot have: refused here, before any worker starts."""
     if v["launch.script_api"] != "accelerate":
         return None
+    if v["parallelism.sp_size"] > 1:
+        return (f"sp_size {v['parallelism.sp_size']} with launch.script_api: accelerate: cpctl does not yet put its "
+                "Ulysses engine behind accelerate (whose own sp needs DeepSpeed); write the script with cpctl's "
+                "runtime, or set sp_size: 1")
     if v["parallelism.tp_size"] > 1:
         return (f"tp_size {v['parallelism.tp_size']} with launch.script_api: accelerate: cpctl does not yet check "
                 "accelerate's tensor parallelism against its engine; set tp_size: 1")
@@ -252,7 +256,7 @@ RULES = (
     Rule(("memory.offload_activations", "fsdp.activation_checkpointing"), _offload_with_checkpoints),
     Rule(("memory.checkpoint_level", "fsdp.activation_checkpointing"), _level_needs_checkpoints),
     Rule(("parallelism.cp_engine", "launch.script_api", "launch.device", *CPCTL_MODEL_OPTIONS), _native_engine_is_accelerates),
-    Rule(("launch.script_api", "parallelism.tp_size", "parallelism.cp_size", "parallelism.dp_replicate_size",
+    Rule(("launch.script_api", "parallelism.sp_size", "parallelism.tp_size", "parallelism.cp_size", "parallelism.dp_replicate_size",
           "parallelism.dp_shard_size"), _accelerate_limits),
 )
 
