@@ -16,7 +16,7 @@ import pytest
 from launching import REPO, launch_env, launch_once
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
-from ulysses_cases import LAYOUTS, cases  # noqa: E402 - the worker's own list of what it runs
+from ulysses_cases import LAYOUTS, cases
 
 WORKER = REPO / "tests" / "workers" / "ulysses_cases.py"
 WORLD = 4

@@ -23,11 +23,11 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_cases import document_rows, reference_mask  # noqa: E402 - the same references as the CP engine's
+from engine_cases import document_rows, reference_mask
 
-from cpctl.attention import ChunkLayout, Strategy, shard, unshard  # noqa: E402
-from cpctl.attention.ulysses import sequence_layout, ulysses_attention  # noqa: E402
-from cpctl.documents import place  # noqa: E402
+from cpctl.attention import ChunkLayout, Strategy, shard, unshard
+from cpctl.attention.ulysses import sequence_layout, ulysses_attention
+from cpctl.documents import place
 
 STRATEGIES = tuple(strategy.value for strategy in Strategy)
 # (cp, sp) at world 4; must match tests/test_ulysses.py

@@ -15,7 +15,12 @@ import sys
 import traceback
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 import cpctl
 
@@ -71,10 +76,10 @@ def step(rt, make_model, *, loss: str, packed: bool = False) -> dict:
         value.backward()
     grads = grad_error(model, reference)
     ids, pos = ids_all[mine].clone(), pos_all[mine].clone()
+    # evaluation: the logits of the whole sequence, gathered
     with rt.maybe_context_parallel(buffers=[ids, pos], buffer_seq_dims=[1, 1], no_restore_buffers={ids, pos},
-                                   documents=pos if packed else None):
-        with torch.no_grad():  # evaluation: the logits of the whole sequence, gathered
-            logits = rt.unshard(model(input_ids=ids, **kwargs).logits, seq_dim=1)
+                                   documents=pos if packed else None), torch.no_grad():
+        logits = rt.unshard(model(input_ids=ids, **kwargs).logits, seq_dim=1)
     with torch.no_grad():
         ref_logits = reference(input_ids=ids_all[mine], position_ids=pos_all[mine] if packed else None,
                                use_cache=False).logits  # with a cache, transformers does not look for packing
