@@ -120,7 +120,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
     """Pinned like torchtitan's test_no_new_cli_options: every flag is a promise."""
     command = typer.main.get_command(app)
     expected = {
-        "--dp-replicate-size", "--dp-shard-size", "--cp-size", "--tp-size", "--cp-comm-strategy",
+        "--dp-replicate-size", "--dp-shard-size", "--cp-size", "--sp-size", "--tp-size", "--cp-comm-strategy",
         "--cp-load-balance", "--fsdp-version", "--reshard-after-forward", "--mixed-precision",
         "--activation-checkpointing", "--attention", "--device", "--nnodes", "--nproc-per-node",
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
@@ -274,10 +274,10 @@ def test_dry_run_shows_profile_sources_mesh_and_command(script: Path) -> None:
     assert rows["parallelism.cp_comm_strategy"] == ["alltoall", "env CPCTL_CP_COMM_STRATEGY"]
     assert rows["parallelism.dp_shard_size"] == ["2", "auto (world 4 / 2)"]
     assert rows["parallelism.tp_size"] == ["1", "default"]
-    # mesh: rank -> node, local rank, dp_replicate, dp_shard, cp, tp
+    # mesh: rank -> node, local rank, dp_replicate, dp_shard, cp, sp, tp
     assert [rows[str(rank)] for rank in range(4)] == [
-        ["0", "0", "0", "0", "0", "0"], ["0", "1", "0", "0", "1", "0"],
-        ["0", "2", "0", "1", "0", "0"], ["0", "3", "0", "1", "1", "0"],
+        ["0", "0", "0", "0", "0", "0", "0"], ["0", "1", "0", "0", "1", "0", "0"],
+        ["0", "2", "0", "1", "0", "0", "0"], ["0", "3", "0", "1", "1", "0", "0"],
     ]
     assert "torchrun --nnodes=1 --nproc-per-node=4 --max-restarts=0 --standalone --tee=3 -- train.py --steps 5" in out
     assert f"{PROFILE_ENV_VAR}='{{\"version\":1," in out
@@ -325,8 +325,8 @@ def test_dry_run_truncates_a_large_mesh(script: Path) -> None:
     assert result.exit_code == 0, result.output
     assert "108 ranks not shown" in result.stdout
     rows = table_rows(result.stdout)
-    assert rows["15"] == ["1", "7", "0", "0", "7", "1"] and "16" not in rows and "…" in rows
-    assert rows["127"] == ["15", "7", "0", "7", "7", "1"]
+    assert rows["15"] == ["1", "7", "0", "0", "7", "0", "1"] and "16" not in rows and "…" in rows
+    assert rows["127"] == ["15", "7", "0", "7", "7", "0", "1"]
 
 
 def test_dry_run_with_a_module(isolated: Path) -> None:
@@ -413,8 +413,8 @@ def test_launch_hands_torchrun_its_own_parsed_args(script: Path, torchrun: Torch
     assert (args.rdzv_backend, args.tee, args.module) == ("static", "3", False)  # run() turns --standalone into c10d
     assert (args.training_script, args.training_script_args) == ("train.py", ["--lr", "1e-3", "-x"])
     sent = json.loads(environ[PROFILE_ENV_VAR])
-    assert sent["parallelism"] | {} == {"dp_replicate_size": 1, "dp_shard_size": 1, "cp_size": 2, "tp_size": 1,
-                                        "cp_comm_strategy": "allgather", "cp_engine": "cpctl", "cp_load_balance": True}
+    assert sent["parallelism"] | {} == {"dp_replicate_size": 1, "dp_shard_size": 1, "cp_size": 2, "sp_size": 1,
+                                        "tp_size": 1, "cp_comm_strategy": "allgather", "cp_engine": "cpctl", "cp_load_balance": True}
     assert sent["launch"]["device"] == "cpu" and sent["fsdp"]["mixed_precision"] == "no"
     assert environ["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] == "[rank${rank}]: "
     assert PROFILE_ENV_VAR not in os.environ  # set for the launch only
@@ -552,3 +552,24 @@ def test_config_yes_writes_a_profile_that_checks(isolated: Path) -> None:
 def test_config_rejects_a_bad_flag_in_one_line(isolated: Path) -> None:
     assert_one_line_error(cpctl("config", "--yes", "--cp-size", "two"), "two")
     assert not (isolated / "cpctl.yaml").exists()
+
+
+def test_dry_run_says_what_ulysses_does(script: Path) -> None:
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--nproc-per-node", "4", "--sp-size", "2", "--cp-size", "2",
+                   "train.py")
+    assert result.exit_code == 0, result.output
+    rows = table_rows(result.stdout)
+    assert rows["parallelism.sp_size"] == ["2", "flag --sp-size"]
+    assert rows["parallelism.dp_shard_size"] == ["1", "auto (world 4 / 4)"]
+    # rank -> node, local rank, dp_replicate, dp_shard, cp, sp, tp: sp peers are neighbours
+    assert [rows[str(rank)][4:6] for rank in range(4)] == [["0", "0"], ["0", "1"], ["1", "0"], ["1", "1"]]
+    text = " ".join(result.stdout.split())
+    assert "Ulysses: sp 2 on consecutive ranks, inside one node, the allgather ring over cp 2 outside it" in text
+    assert "K/V heads fewer than 2 are repeated, exactly" in text
+    assert "no context parallelism" not in text
+    wide = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--rdzv-endpoint", "h:1",
+                 "--nproc-per-node", "2", "--sp-size", "4", "train.py")
+    assert wide.exit_code == 0, wide.output
+    assert "across nodes (sp x tp = 4 > 2 processes per node" in " ".join(wide.stdout.split())
+    bad = cpctl("launch", "--dry-run", "--device", "cpu", "--nproc-per-node", "4", "--sp-size", "3", "train.py")
+    assert bad.exit_code == 2 and "sp(3)" in bad.output

@@ -384,3 +384,23 @@ def test_the_planner_does_not_import_torch(args: list[str]) -> None:
                           timeout=60, env=os.environ | {"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "TORCH=False", proc.stderr
+
+
+def test_ulysses_layouts_in_the_plan() -> None:
+    """sp 1 is the ring's plan term for term; Ulysses drops the gathered K/V of the whole sequence; the
+    split keeps sp inside a node and dividing the heads, and says why."""
+    model = PRESETS["llama-3.1-8b"]
+    ring = CHUNKED.with_cp(8)
+    assert planner.estimate(model, dataclasses.replace(ring, sp=1), 1024 * K).to_dict() == \
+        planner.estimate(model, ring, 1024 * K).to_dict()
+    ulysses = planner.estimate(model, CHUNKED.with_sp(8, 8), 1024 * K)
+    assert ulysses.local_tokens == 128 * K and ulysses.to_dict()["setup"]["cp"] == 1
+    gathered = planner.estimate(model, ring, 1024 * K)
+    assert ulysses.total("attention_backward") < gathered.total("attention_backward")
+    layout = planner.make_plan(model, CHUNKED.with_sp(16, 8), 1024 * K).layout
+    assert (layout.sp, layout.cp) == (8, 2) and "8 GPUs" not in layout.reason and "across nodes" in layout.reason
+    assert planner.make_plan(model, CHUNKED.with_cp(8), 64 * K).longest_sp[-1][1].sp == 8
+    from cpctl.planner.layouts import choose_layout
+    odd = dataclasses.replace(model, n_heads=12, n_kv_heads=2)
+    assert (choose_layout(odd, gpus=8).sp, choose_layout(odd, gpus=8).cp) == (4, 2)
+    assert "repeated 2x" in choose_layout(odd, gpus=8).reason

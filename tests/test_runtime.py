@@ -69,8 +69,8 @@ def test_attributes_of_every_rank(cp_ranks) -> None:
                                       "config_cp_size", "device")} == {
             "rank": rank, "world_size": 2, "cp_size": CP, "cp_rank": rank, "dp_size": 1, "dp_rank": 0,
             "is_main": rank == 0, "config_cp_size": CP, "device": "cpu"}
-        assert attrs["mesh_dim_names"] == ["dp_replicate", "dp_shard", "cp", "tp"]
-        assert attrs["mesh_shape"] == [1, 1, CP, 1]
+        assert attrs["mesh_dim_names"] == ["dp_replicate", "dp_shard", "cp", "sp", "tp"]
+        assert attrs["mesh_shape"] == [1, 1, CP, 1, 1]
         assert attrs["flattened_sizes"] == {"dp": 1, "dp_shard_cp": CP, "dp_cp": CP}
         assert (attrs["strategy"], attrs["load_balance"]) == ("allgather", True)  # the profile's defaults
 
@@ -254,7 +254,7 @@ def test_plain_python_is_a_world_of_one(single_rank) -> None:
                                   "config_cp_size")} == {
         "rank": 0, "world_size": 1, "cp_size": 1, "cp_rank": 0, "dp_size": 1, "dp_rank": 0, "is_main": True,
         "config_cp_size": 1}
-    assert attrs["mesh_shape"] == [1, 1, 1, 1] and attrs["init_again_is_same"]
+    assert attrs["mesh_shape"] == [1, 1, 1, 1, 1] and attrs["init_again_is_same"]
 
 
 def test_the_context_is_a_no_op_on_one_process(single_rank) -> None:

@@ -30,7 +30,7 @@ GPU8 = prof.Machine(cuda_devices=8)
 ENTER, DOWN, CLEAR, CTRL_C = "\r", "\x1b[B", "\x15", "\x03"
 # script api, device, nnodes, nproc, cp, tp, dp_replicate, dp_shard, strategy, load balance, precision,
 # checkpointing, memory options (the yes/no in front of them)
-QUESTIONS = 13
+QUESTIONS = 14
 # with cp_size 1, the default, strategy and load balance are not asked
 QUESTIONS_WITHOUT_CP = QUESTIONS - 2
 
@@ -81,7 +81,7 @@ def test_defaults_only_write_a_profile_that_resolves(tmp_path):
 def test_custom_answers_are_written(tmp_path):
     out = tmp_path / "p.yaml"
     keys = (ENTER + ENTER + ENTER + typed("4")  # the script's API read at launch, device auto, 1 machine, 4 processes
-            + typed("2") + ENTER + ENTER        # cp 2, tp 1, dp_replicate 1
+            + typed("2") + ENTER * 3            # cp 2, sp 1, tp 1, dp_replicate 1
             + ENTER                             # dp_shard: the computed 4 / (1 * 2 * 1) = 2
             + DOWN + ENTER                      # alltoall
             + "n" + DOWN + ENTER + "y"          # no load balance, bf16, checkpointing
@@ -90,7 +90,8 @@ def test_custom_answers_are_written(tmp_path):
     code, _ = drive(keys, output=out)
     assert code == 0
     written = yaml.safe_load(out.read_text())
-    assert written["parallelism"] == {"dp_replicate_size": 1, "dp_shard_size": 2, "cp_size": 2, "tp_size": 1,
+    assert written["parallelism"] == {"dp_replicate_size": 1, "dp_shard_size": 2, "cp_size": 2, "sp_size": 1,
+                                      "tp_size": 1,
                                       "cp_comm_strategy": "alltoall", "cp_load_balance": False}
     assert written["fsdp"] == {"mixed_precision": "bf16", "activation_checkpointing": True}
     assert written["memory"] == {"checkpoint_level": "selective", "loss_chunk_tokens": 2048, "tiled_mlp_tokens": 16}
@@ -101,7 +102,7 @@ def test_custom_answers_are_written(tmp_path):
 
 def test_memory_options_on_a_gpu_machine(tmp_path):
     out = tmp_path / "p.yaml"
-    keys = (ENTER * 8                                # script api auto, device auto, 1 machine, 8 GPUs, cp/tp/dp defaults
+    keys = (ENTER * 9                                # script api auto, device auto, 1 machine, 8 GPUs, cp/sp/tp/dp defaults
             + ENTER + "y" + ENTER                    # precision, checkpointing, the full level
             + "y" + ENTER + typed("8192") + "y" + ENTER)  # memory options: default chunks, tiles, offload, no cpu_offload
     code, shown = drive(keys, output=out, machine=GPU8)
@@ -115,7 +116,7 @@ def test_memory_options_on_a_gpu_machine(tmp_path):
 def test_an_accelerate_script_is_asked_for_its_engine(tmp_path):
     out = tmp_path / "p.yaml"
     keys = (DOWN + DOWN + ENTER + ENTER + ENTER + ENTER    # accelerate, device auto, 1 machine, 2 processes
-            + typed("2") + ENTER * 3                # cp 2, tp 1, dp_replicate 1, dp_shard 1
+            + typed("2") + ENTER * 4                # cp 2, sp 1, tp 1, dp_replicate 1, dp_shard 1
             + ENTER + ENTER + ENTER                 # allgather, load balance, cpctl's engine
             + ENTER + ENTER + ENTER)                # precision, no checkpointing, no memory options
     code, shown = drive(keys, output=out)
@@ -130,7 +131,7 @@ def test_bad_answers_are_asked_again(tmp_path):
     out = tmp_path / "p.yaml"
     keys = (ENTER + ENTER + ENTER + typed("4")
             + typed("3") + typed("0") + typed("two") + typed("2")   # cp 3 does not divide 4; 0, "two" are no sizes
-            + ENTER + ENTER
+            + ENTER + ENTER + ENTER                                 # sp 1, tp 1, dp_replicate 1
             + typed("1") + typed("2")                               # dp_shard 1: 1 * 1 * 2 * 1 != 4
             + ENTER * 5)
     code, _ = drive(keys, output=out)
@@ -282,7 +283,7 @@ def test_enter_through_a_real_terminal(tmp_path):
     pexpect, child = spawn_in_terminal(out)
     try:
         for prompt, answer in (("The training script uses", ENTER), ("Device", ENTER), ("Machines", ENTER), ("Processes per machine", ENTER),
-                               ("CP size", typed("2")), ("TP size", ENTER), ("DP replicate", ENTER), ("DP shard", ENTER),
+                               ("CP size", typed("2")), ("SP size", ENTER), ("TP size", ENTER), ("DP replicate", ENTER), ("DP shard", ENTER),
                                ("CP comm strategy", ENTER), ("Load balance", ENTER), ("Mixed precision", ENTER),
                                ("Activation checkpointing", ENTER), ("Long sequences", ENTER)):
             child.expect_exact(prompt)

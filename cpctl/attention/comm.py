@@ -53,6 +53,14 @@ def reduce_scatter_sum_async(output: torch.Tensor, stacked: torch.Tensor, group:
     return _reduce_scatter_single(output, stacked.flatten(0, 1), op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
+def all_to_all(output: torch.Tensor, send: torch.Tensor, group: dist.ProcessGroup) -> None:
+    """Row j of `send` (ranks along dim 0) goes to rank j; row i of `output` comes from rank i.
+
+    gloo has it on CPU as NCCL has it on CUDA (torch 2.6 on), in every dtype the engine uses.
+    """
+    dist.all_to_all_single(output, send, group=group)
+
+
 # torch 2.13 renamed these (the old names warn); torch 2.6-2.12 have only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -25,6 +25,7 @@ class ChunkLayout:
     cp_rank: int
     load_balance: bool
     assignment: tuple[tuple[int, ...], ...] | None = None  # chunks per rank, ascending; None: the fixed ones
+    divisor_reason: str | None = None  # what num_chunks is, for errors; None: said from the fields above
 
     @property
     def num_chunks(self) -> int:
@@ -53,7 +54,9 @@ class ChunkLayout:
             raise CpctlError(f"{what} 0 under context parallelism: there is nothing to split; skip empty "
                              "sequences, or run them outside maybe_context_parallel")
         if seq_len % self.num_chunks:
-            if self.assignment is not None:
+            if self.divisor_reason is not None:
+                reason = self.divisor_reason
+            elif self.assignment is not None:
                 reason = f"the {self.num_chunks} chunks of the cost-balanced layout"
             elif self.load_balance:
                 reason = f"2 * cp_size ({self.num_chunks}) with cp_load_balance"
@@ -62,7 +65,7 @@ class ChunkLayout:
             fit = (seq_len // self.num_chunks + 1) * self.num_chunks
             raise CpctlError(
                 f"{what} {seq_len} is not divisible by {reason}; pad the sequence to {fit} tokens "
-                f"or choose another cp_size"
+                f"or choose another {'cp_size or sp_size' if self.divisor_reason else 'cp_size'}"
             )
 
 

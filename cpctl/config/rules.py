@@ -92,10 +92,10 @@ def fill_auto(values: Mapping[str, Any], *, machine: Machine,
         if count > 0:
             filled["launch.nproc_per_node"] = count
             why["launch.nproc_per_node"] = "auto (visible GPUs)" if device == "cuda" else f"auto ({count} on cpu)"
-    sizes = [filled.get(f"parallelism.{name}") for name in ("dp_replicate_size", "cp_size", "tp_size")]
+    sizes = [filled.get(f"parallelism.{name}") for name in ("dp_replicate_size", "cp_size", "sp_size", "tp_size")]
     world = world_size(filled)
     if filled.get("parallelism.dp_shard_size") == AUTO and world and all(isinstance(s, int) for s in sizes):
-        others = sizes[0] * sizes[1] * sizes[2]
+        others = sizes[0] * sizes[1] * sizes[2] * sizes[3]
         if world % others == 0:
             filled["parallelism.dp_shard_size"] = world // others
             why["parallelism.dp_shard_size"] = f"auto (world {world} / {others})"
@@ -113,7 +113,7 @@ def world_size(values: Mapping[str, Any]) -> int | None:
 # ----------------------------------------------------------------------------- rules
 
 AXES = {"parallelism.dp_replicate_size": "dp_replicate", "parallelism.dp_shard_size": "dp_shard",
-        "parallelism.cp_size": "cp", "parallelism.tp_size": "tp"}
+        "parallelism.cp_size": "cp", "parallelism.sp_size": "sp", "parallelism.tp_size": "tp"}
 
 
 @dataclass(frozen=True)
@@ -130,12 +130,17 @@ def _sizes_fit_world(v: Mapping[str, Any], machine: Machine | None) -> str | Non
         return None
     # sizes not known yet (the wizard mid-way) or auto: the known ones must divide the world
     known = {name: v[path] for path, name in AXES.items() if v.get(path, AUTO) != AUTO}
+    if known.get("sp", 1) == 1:  # Ulysses is named only where it is used
+        known.pop("sp", None)
+        axes = len(AXES) - 1
+    else:
+        axes = len(AXES)
     product = 1
     for size in known.values():
         product *= size
     factors = " * ".join(f"{name}({size})" for name, size in known.items())
     where = f"world size {world} (nnodes {v['launch.nnodes']} x nproc_per_node {v['launch.nproc_per_node']})"
-    if len(known) < len(AXES):
+    if len(known) < axes:
         if world % product:
             return (f"{factors} = {product} does not divide {where}; choose sizes whose product divides {world} "
                     "or change --nproc-per-node/--nnodes")
@@ -178,6 +183,15 @@ def _cp_needs_sdpa(v: Mapping[str, Any], machine: Machine | None) -> str | None:
     cp, attention = v["parallelism.cp_size"], v["attention"]
     if cp > 1 and attention != "sdpa":
         return f"attention: {attention} with cp_size {cp}; context parallelism needs attention: sdpa"
+    return None
+
+
+def _sp_needs_fsdp2_and_sdpa(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    sp = v["parallelism.sp_size"]
+    if sp > 1 and v["fsdp.version"] != 2:
+        return f"fsdp.version: {v['fsdp.version']} with sp_size {sp}; Ulysses sequence parallelism needs fsdp.version: 2"
+    if sp > 1 and v["attention"] != "sdpa":
+        return f"attention: {v['attention']} with sp_size {sp}; Ulysses sequence parallelism needs attention: sdpa"
     return None
 
 
@@ -242,6 +256,10 @@ def _accelerate_limits(v: Mapping[str, Any], machine: Machine | None) -> str | N
     """Layouts an accelerate script cannot have: refused here, before any worker starts."""
     if v["launch.script_api"] != "accelerate":
         return None
+    if v["parallelism.sp_size"] > 1:
+        return (f"sp_size {v['parallelism.sp_size']} with launch.script_api: accelerate: cpctl does not yet put its "
+                "Ulysses engine behind accelerate (whose own sp needs DeepSpeed); write the script with cpctl's "
+                "runtime, or set sp_size: 1")
     if v["parallelism.tp_size"] > 1:
         return (f"tp_size {v['parallelism.tp_size']} with launch.script_api: accelerate: cpctl does not yet check "
                 "accelerate's tensor parallelism against its engine; set tp_size: 1")
@@ -257,13 +275,14 @@ RULES = (
     Rule(("launch.nnodes", "launch.nproc_per_node"), _sizes_fit_world, also_reads=tuple(AXES)),
     Rule(("parallelism.cp_size", "fsdp.version"), _cp_needs_fsdp2),
     Rule(("parallelism.cp_size", "attention"), _cp_needs_sdpa),
+    Rule(("parallelism.sp_size", "fsdp.version", "attention"), _sp_needs_fsdp2_and_sdpa),
     Rule(("launch.node_rank", "launch.nnodes"), _node_rank_in_range),
     Rule(("launch.nnodes", "launch.rdzv_endpoint"), _nodes_need_rendezvous),
     Rule(("launch.device", "memory.offload_activations", "memory.cpu_offload"), _offload_needs_gpus),
     Rule(("memory.offload_activations", "fsdp.activation_checkpointing"), _offload_with_checkpoints),
     Rule(("memory.checkpoint_level", "fsdp.activation_checkpointing"), _level_needs_checkpoints),
     Rule(("parallelism.cp_engine", "launch.script_api", "launch.device", *CPCTL_MODEL_OPTIONS), _native_engine_is_accelerates),
-    Rule(("launch.script_api", "parallelism.tp_size", "parallelism.cp_size", "parallelism.dp_replicate_size",
+    Rule(("launch.script_api", "parallelism.sp_size", "parallelism.tp_size", "parallelism.cp_size", "parallelism.dp_replicate_size",
           "parallelism.dp_shard_size"), _accelerate_limits),
 )
 

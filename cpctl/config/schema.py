@@ -124,10 +124,13 @@ def key(kind: Kind, default: Any, help: str, **options: Any) -> Any:  # noqa: A0
 class Parallelism:
     dp_replicate_size: int = key(integer(minimum=1), 1, "HSDP replicas (full copies of the sharded model)",
                                  prompt="DP replicate size: HSDP replicas (full copies of the sharded model)")
-    dp_shard_size: int = key(integer(minimum=1, auto=True), AUTO, "FSDP shards; auto = world / (dp_replicate * cp * tp)",
+    dp_shard_size: int = key(integer(minimum=1, auto=True), AUTO, "FSDP shards; auto = world / (dp_replicate * cp * sp * tp)",
                              prompt="DP shard size: FSDP shards")
     cp_size: int = key(integer(minimum=1), 1, "ranks that split each sequence (context parallelism)",
                        prompt="CP size: ranks that split each sequence")
+    sp_size: int = key(integer(minimum=1), 1, "Ulysses ranks: they split attention heads inside attention and the "
+                       "sequence outside it, within each cp rank's share (sequence shards = cp x sp)",
+                       prompt="SP size (Ulysses): ranks that split attention heads, within one machine")
     tp_size: int = key(integer(minimum=1), 1, "tensor-parallel ranks", prompt="TP size: tensor-parallel ranks")
     cp_comm_strategy: str = key(one_of(*STRATEGIES), "allgather", "how K/V move between CP ranks",
                                 prompt="CP comm strategy: how K/V move between CP ranks", choices={

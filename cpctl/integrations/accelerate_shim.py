@@ -192,15 +192,15 @@ def _trainer_takes_cpctl_attention(runtime: Any) -> None:
                              "trainer.evaluate() runs before trainer.train()); call train() first")
         with runtime.caller_counts_loss_tokens():
             result = compute_loss(self, model, *args, **kwargs)
-        if model.training or runtime.cp_size == 1:
+        if model.training or runtime.seq_size == 1:
             return result
         # Evaluation: each CP rank's loss covers its shard only, and accelerate's
         # gather_for_metrics keeps one CP rank's value (they hold the same samples); give every
         # CP rank their mean, which is the batch's loss (the Trainer scaled each by the ranks).
         loss = result[0] if isinstance(result, tuple) else result
         loss = loss.detach().clone()
-        torch.distributed.all_reduce(loss, group=runtime.cp_group)
-        loss /= runtime.cp_size
+        torch.distributed.all_reduce(loss, group=runtime.seq_group)
+        loss /= runtime.seq_size
         return (loss, *result[1:]) if isinstance(result, tuple) else loss
 
     Trainer._prepare_context_parallel_inputs = checked_as_cpctl
@@ -236,7 +236,7 @@ def _check_sizes(accelerator: Any, profile: config.Profile) -> None:
     built = getattr(accelerator, "parallelism_config", None)
     parallel = profile.parallelism
     wanted = {"dp_replicate_size": parallel.dp_replicate_size, "dp_shard_size": parallel.dp_shard_size,
-              "cp_size": parallel.cp_size, "tp_size": parallel.tp_size}
+              "cp_size": parallel.cp_size, "sp_size": parallel.sp_size, "tp_size": parallel.tp_size}
     if built is None:
         if parallel.cp_size > 1:
             raise CpctlError(f"the script's Accelerator has no parallelism_config, so cp_size {parallel.cp_size} would be "

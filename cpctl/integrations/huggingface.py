@@ -59,7 +59,8 @@ def prepare(model: nn.Module, runtime: Runtime) -> bool:
     (its recompute would run outside CP's routing) and the runtime checkpoints the blocks instead.
     """
     config = model.config
-    problems = list(_config_problems(config))
+    problems = list(_config_problems(config)) + list(_head_problems(config, sp_size=runtime.sp_size,
+                                                                    tp_size=runtime.config.parallelism.tp_size))
     if problems:
         raise CpctlError(f"{type(model).__name__} cannot run under context parallelism: {problems[0]}")
     global _runtime
@@ -99,6 +100,17 @@ def _config_problems(config) -> Iterator[str]:
             if kind not in ATTENTION_LAYERS:
                 yield (f"its layer_types include {kind!r}, which mixes tokens outside attention and cannot be "
                        f"sharded by sequence; cpctl shards {', '.join(ATTENTION_LAYERS)} layers")
+
+
+def _head_problems(config, *, sp_size: int, tp_size: int) -> Iterator[str]:
+    """Ulysses splits each rank's attention heads over sp ranks: they must divide evenly. (K/V heads
+    need not: fewer than sp are replicated, exactly.)"""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(text, "num_attention_heads", None)
+    if sp_size > 1 and isinstance(heads, int) and (heads // tp_size) % sp_size:
+        per_rank = f"{heads // tp_size} per tp rank" if tp_size > 1 else f"{heads}"
+        yield (f"sp_size {sp_size} splits attention heads, but it has {per_rank} attention heads; choose an sp_size "
+               f"that divides {heads // tp_size}")
 
 
 _registered = False
@@ -231,7 +243,7 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtim
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         # RoPE must see where each token sits in the whole sequence, not in this shard.
-        full = torch.arange(local_len * runtime.cp_size, device=tokens.device).expand(batch, -1)
+        full = torch.arange(local_len * runtime.seq_size, device=tokens.device).expand(batch, -1)
         kwargs["position_ids"] = runtime.shard(full, seq_dim=1)
     else:
         runtime.adopt_position_ids(position_ids)

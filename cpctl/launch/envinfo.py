@@ -110,7 +110,8 @@ def describe(resolved: Resolved) -> str:
     """`cp 2 x dp_shard 1 = world 2 (1 node x 2 cpu processes)`."""
     profile = resolved.profile
     par, launch = profile.parallelism, profile.launch
-    axes = [("dp_replicate", par.dp_replicate_size), ("dp_shard", par.dp_shard_size), ("cp", par.cp_size), ("tp", par.tp_size)]
+    axes = [("dp_replicate", par.dp_replicate_size), ("dp_shard", par.dp_shard_size), ("cp", par.cp_size), ("sp", par.sp_size),
+            ("tp", par.tp_size)]
     shown = [f"{name} {size}" for name, size in axes if size != 1] or ["dp_shard 1"]
     nodes = f"{launch.nnodes} node{'s' if launch.nnodes > 1 else ''}"
     return f"{' x '.join(shown)} = world {profile.world_size} ({nodes} x {launch.nproc_per_node} {launch.device} processes)"

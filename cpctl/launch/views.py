@@ -112,7 +112,7 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
         out.print(advice)
 
     out.print()
-    scan = Table(show_edge=False, title=f"longest sequence that fits, all GPUs on CP, {estimate.gpu_memory_gib:g} GiB each",
+    scan = Table(show_edge=False, title=f"longest sequence that fits, all GPUs splitting it, {estimate.gpu_memory_gib:g} GiB each",
                  title_justify="left")
     scan.add_column("GPUs")
     for gpus, _, _ in result.longest:
@@ -121,7 +121,16 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
     better = ", ".join(planner.option_names(result.all_options))
     if result.all_options:
         scan.add_row(f"+ {escape(better)}", *[planner.format_tokens(n) if n else "-" for _, _, n in result.longest])
+    if result.longest_sp:
+        by_gpus = {gpus: (layout, n) for gpus, layout, n in result.longest_sp}
+        scan.add_row("Ulysses: sp x cp", *[f"{by_gpus[g][0].sp}x{by_gpus[g][0].cp}" if g in by_gpus else "-"
+                                           for g, _, _ in result.longest])
+        scan.add_row("  these options", *[planner.format_tokens(by_gpus[g][1]) if g in by_gpus and by_gpus[g][1]
+                                         else "-" for g, _, _ in result.longest])
     out.print(scan)
+    if result.layout is not None and result.layout.sp > 1:
+        out.print(f"Split for {estimate.setup.seq_ranks} sequence GPUs: --sp-size {result.layout.sp} --cp-size "
+                  f"{result.layout.cp} ({escape(result.layout.reason)}).", soft_wrap=True)
 
     def needs(found) -> str:
         return "more than 4096 GPUs" if found is None else f"{found.setup.gpus} GPU{'s' if found.setup.gpus > 1 else ''}"
@@ -137,9 +146,23 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
 
 def note_without_cp(profile) -> None:
     """CP is what cpctl is for: a launch without it says so first."""
-    if profile.parallelism.cp_size == 1:
+    if profile.parallelism.cp_size == 1 and profile.parallelism.sp_size == 1:
         _stdout().print("[yellow]note:[/] cp_size 1: no context parallelism, each rank holds whole sequences "
                         "(pass --cp-size N, or a profile such as --profile cpu-try)", soft_wrap=True)
+
+
+def ulysses_note(profile) -> str | None:
+    """What sp_size does in this layout, and what it asks of the model, in one line (None without it)."""
+    par, nproc = profile.parallelism, profile.launch.nproc_per_node
+    if par.sp_size == 1:
+        return None
+    span = par.sp_size * par.tp_size
+    where = ("inside one node" if nproc % span == 0 else
+             f"across nodes (sp x tp = {span} > {nproc} processes per node: its all-to-all leaves NVLink)")
+    ring = f", the {par.cp_comm_strategy} ring over cp {par.cp_size} outside it" if par.cp_size > 1 else ""
+    return (f"Ulysses: sp {par.sp_size} on consecutive ranks, {where}{ring}; each sequence is split over "
+            f"cp x sp = {par.cp_size * par.sp_size} ranks. The model's attention heads (per tp rank) must divide by "
+            f"{par.sp_size} (checked at prepare_model); K/V heads fewer than {par.sp_size} are repeated, exactly.")
 
 
 SCRIPT_APIS = {
@@ -192,6 +215,9 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None, note
     out.print(mesh)
     if world > MESH_HEAD_ROWS + MESH_TAIL_ROWS:
         out.print(f"[dim]{world - MESH_HEAD_ROWS - MESH_TAIL_ROWS} ranks not shown[/]")
+    ulysses = ulysses_note(profile)
+    if ulysses:
+        out.print(escape(ulysses), soft_wrap=True)
     if profile.launch.nnodes > 1:
         out.print(
             "[dim]node = the machine's place in the c10d rendezvous, which numbers machines as they join "

@@ -205,12 +205,15 @@ def _ask_all(ask: _Asker) -> None:
     most = f"up to {nproc} on one machine" if isinstance(nproc, int) else "up to the processes per machine"
     ask.text("parallelism.cp_size", f"1 = no context parallelism, {most}; world size {world}",
              default=KEYS["parallelism.cp_size"].default)
+    ask.text("parallelism.sp_size", "1 = no Ulysses; it must divide the model's attention heads",
+             default=KEYS["parallelism.sp_size"].default)
     ask.text("parallelism.tp_size", default=1)
     ask.text("parallelism.dp_replicate_size", default=1)
-    others = answers["parallelism.dp_replicate_size"] * answers["parallelism.cp_size"] * answers["parallelism.tp_size"]
+    others = (answers["parallelism.dp_replicate_size"] * answers["parallelism.cp_size"] * answers["parallelism.sp_size"]
+              * answers["parallelism.tp_size"])
     shards = world // others if world and world % others == 0 else AUTO
-    ask.text("parallelism.dp_shard_size", f"world {world} / (dp_replicate * cp * tp) = {shards}", default=shards,
-             why=f"world {world} / (dp_replicate * cp * tp)")
+    ask.text("parallelism.dp_shard_size", f"world {world} / (dp_replicate * cp * sp * tp) = {shards}", default=shards,
+             why=f"world {world} / (dp_replicate * cp * sp * tp)")
 
     if answers["parallelism.cp_size"] > 1:  # meaningless without CP: not asked, not written
         ask.select("parallelism.cp_comm_strategy", default="allgather")

@@ -103,8 +103,8 @@ def peak_gib(model: ModelShape, setup: Setup, seq_len: int) -> float:
 
 
 def longest_fitting(model: ModelShape, setup: Setup, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB) -> int:
-    """The longest sequence (a multiple of 1024 and of 2 x cp) that fits; 0 if none does."""
-    unit = math.lcm(1024, 2 * setup.cp)
+    """The longest sequence (a multiple of 1024 and of 2 x cp x sp) that fits; 0 if none does."""
+    unit = math.lcm(1024, 2 * setup.seq_ranks)
 
     def fits(units: int) -> bool:
         return estimate(model, setup, units * unit, gpu_memory_gib=gpu_memory_gib).fits

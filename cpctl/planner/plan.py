@@ -17,6 +17,7 @@ from cpctl.planner.fit import (
     gpus_needed,
     longest_fitting,
 )
+from cpctl.planner.layouts import Layout, choose_layout
 from cpctl.planner.setup import Setup
 from cpctl.planner.shapes import ModelShape
 
@@ -34,6 +35,8 @@ class Plan:
     needed: Estimate | None  # the fewest GPUs (all CP) for the sequence, with these options
     needed_all: Estimate | None  # ... with all_options on
     all_options: dict[str, Any]  # the free memory options that are off: checkpointing, chunked loss, resharding
+    longest_sp: list[tuple[int, Layout, int]] = dataclasses.field(default_factory=list)  # (GPUs, sp x cp, longest)
+    layout: Layout | None = None  # the suggested split of this setup's sequence ranks
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -41,6 +44,9 @@ class Plan:
             "estimate": self.estimate.to_dict(),
             "suggestions": [s.to_dict() for s in self.suggestions],
             "longest": [{"gpus": g, "cp": g, "seq_len": n, "seq_len_all_options": a} for g, n, a in self.longest],
+            "longest_sp": [{"gpus": g, "sp": lay.sp, "cp": lay.cp, "seq_len": n} for g, lay, n in self.longest_sp],
+            "layout": None if self.layout is None else {"sp": self.layout.sp, "cp": self.layout.cp,
+                                                        "reason": self.layout.reason},
             "gpus_needed": None if self.needed is None else self.needed.setup.gpus,
             "gpus_needed_all_options": None if self.needed_all is None else self.needed_all.setup.gpus,
             "all_options": self.all_options,
@@ -62,8 +68,12 @@ def make_plan(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: 
     longest = [(gpus, longest_fitting(model, setup.with_cp(gpus), gpu_memory_gib=gpu_memory_gib),
                 longest_fitting(model, better.with_cp(gpus), gpu_memory_gib=gpu_memory_gib) if free else None)
                for gpus in GPU_COUNTS]
+    layouts = [(gpus, choose_layout(model, gpus=gpus)) for gpus in GPU_COUNTS]
+    longest_sp = [(gpus, lay, longest_fitting(model, setup.with_sp(gpus, lay.sp), gpu_memory_gib=gpu_memory_gib))
+                  for gpus, lay in layouts if lay.sp > 1]
     return Plan(
-        model=model, estimate=base,
+        model=model, estimate=base, longest_sp=longest_sp,
+        layout=choose_layout(model, gpus=setup.seq_ranks, tp=setup.tp),
         suggestions=[] if base.fits else suggestions(base, available=available),
         longest=longest, needed=gpus_needed(model, setup, seq_len, gpu_memory_gib=gpu_memory_gib),
         needed_all=gpus_needed(model, better, seq_len, gpu_memory_gib=gpu_memory_gib) if free else None,

@@ -18,6 +18,7 @@ class Setup:
 
     gpus: int = 1
     cp: int = 1
+    sp: int = 1  # Ulysses: heads split inside attention, the cp rank's tokens split outside it
     dp_shard: int = 1
     tp: int = 1
     strategy: str = "allgather"
@@ -38,7 +39,8 @@ class Setup:
     def from_profile(cls, profile: Any, *, chunked_loss: bool = False, batch: int = 1) -> Setup:
         memory = profile.memory
         return cls(
-            gpus=profile.world_size, cp=profile.parallelism.cp_size, dp_shard=profile.parallelism.dp_shard_size,
+            gpus=profile.world_size, cp=profile.parallelism.cp_size, sp=getattr(profile.parallelism, "sp_size", 1),
+            dp_shard=profile.parallelism.dp_shard_size,
             tp=profile.parallelism.tp_size, strategy=profile.parallelism.cp_comm_strategy,
             precision=profile.fsdp.mixed_precision, activation_checkpointing=profile.fsdp.activation_checkpointing,
             reshard_after_forward=profile.fsdp.reshard_after_forward, chunked_loss=chunked_loss,
@@ -50,14 +52,24 @@ class Setup:
 
     def with_cp(self, gpus: int) -> Setup:
         """All `gpus` on CP: one FSDP shard per CP rank, no TP or replicas."""
-        return dataclasses.replace(self, gpus=gpus, cp=gpus, dp_shard=1, tp=1)
+        return dataclasses.replace(self, gpus=gpus, cp=gpus, sp=1, dp_shard=1, tp=1)
+
+    def with_sp(self, gpus: int, sp: int) -> Setup:
+        """All `gpus` split sequences: Ulysses over `sp` of them, the ring over the rest."""
+        return dataclasses.replace(self, gpus=gpus, cp=gpus // sp, sp=sp, dp_shard=1, tp=1)
+
+    @property
+    def seq_ranks(self) -> int:
+        """How many GPUs split one sequence: cp x sp."""
+        return self.cp * self.sp
 
     def describe(self) -> str:
-        options = [f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}: cp {self.cp} x dp_shard {self.dp_shard}"
+        others = self.seq_ranks * self.dp_shard * self.tp
+        options = [f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}: cp {self.cp}" + (f" x sp {self.sp}" if self.sp > 1 else "")
+                   + f" x dp_shard {self.dp_shard}"
                    + (f" x tp {self.tp}" if self.tp > 1 else "")
-                   + (f" x dp_replicate {self.gpus // (self.cp * self.dp_shard * self.tp)}"
-                      if self.gpus > self.cp * self.dp_shard * self.tp else ""),
-                   self.strategy if self.cp > 1 else "no CP",
+                   + (f" x dp_replicate {self.gpus // others}" if self.gpus > others else ""),
+                   (self.strategy if self.cp > 1 else "no CP") + (", Ulysses" if self.sp > 1 else ""),
                    {"no": "fp32"}.get(self.precision, self.precision),
                    f"activation checkpointing {'off' if not self.activation_checkpointing else 'on' if self.checkpoint_level == 'full' else self.checkpoint_level}",
                    f"loss chunked ({self.loss_chunk_tokens} tokens)" if self.chunked_loss else "full logits in the loss"]
@@ -109,9 +121,10 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
             raise CpctlError(f"--gpus {gpus} is not a multiple of nnodes {nnodes}")
         extra["launch.nproc_per_node"] = str(gpus // nnodes)
         if "parallelism.cp_size" not in flags:
-            others = values.get("parallelism.tp_size", 1) * values.get("parallelism.dp_replicate_size", 1)
+            others = (values.get("parallelism.tp_size", 1) * values.get("parallelism.dp_replicate_size", 1)
+                      * values.get("parallelism.sp_size", 1))
             if gpus % others:
-                raise CpctlError(f"--gpus {gpus} is not a multiple of tp x dp_replicate = {others}")
+                raise CpctlError(f"--gpus {gpus} is not a multiple of tp x dp_replicate x sp = {others}")
             extra["parallelism.cp_size"] = str(gpus // others)
             note = f"--gpus {gpus}: cp {gpus // others}"
         if "parallelism.dp_shard_size" not in flags:

@@ -24,8 +24,8 @@ class Sizes:
     seq_len: int
 
     @property
-    def local_tokens(self) -> int:  # L: this GPU's share of its CP group's tokens
-        return self.setup.batch * self.seq_len // self.setup.cp
+    def local_tokens(self) -> int:  # L: this GPU's share of its CP group's tokens (cp x sp ranks)
+        return self.setup.batch * self.seq_len // self.setup.seq_ranks
 
     @property
     def group_tokens(self) -> int:  # S: the tokens of the sequences one CP group holds
@@ -40,8 +40,13 @@ class Sizes:
         return "fp32" if self.act == FP32 else "bf16"
 
     @property
-    def shards(self) -> int:  # FSDP shards the fp32 parameters, gradients and optimizer state over dp_shard x cp
-        return self.setup.dp_shard * self.setup.cp
+    def shards(self) -> int:  # FSDP shards the fp32 parameters, gradients and optimizer state over dp_shard x cp x sp
+        return self.setup.dp_shard * self.setup.seq_ranks
+
+    @property
+    def kv_copies(self) -> int:  # Ulysses repeats K/V heads until sp ranks can split them
+        kv_heads = max(1, self.model.n_kv_heads // self.setup.tp)
+        return math.lcm(kv_heads, self.setup.sp) // kv_heads if self.setup.sp > 1 else 1
 
     @property
     def params_per_gpu(self) -> float:  # TP splits the blocks; FSDP shards everything
@@ -119,7 +124,28 @@ def attention_saved_per_token(z: Sizes) -> float:
     """Per token, what the attention half of a block keeps for backward: its norm, q/k/v after
     rotary, the output, and the fp32 log-sum-exp per head (TP splits the heads)."""
     model, tp = z.model, z.setup.tp
-    return _norm_saved(z) + z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.n_heads / tp
+    return (_norm_saved(z) + z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.n_heads / tp
+            + ulysses_saved_per_token(z))
+
+
+def ulysses_saved_per_token(z: Sizes) -> float:
+    """Per local token, what Ulysses keeps beyond the ring: its engine saves q, k, v, out and the
+    log-sum-exp in the head layout (the cp rank's whole sequence for 1/sp of the heads: the bytes of
+    L tokens of every head) in place of the token layout's, which the all-to-all does not keep; only
+    K/V repeated for fewer heads than sp ranks take more."""
+    if z.setup.sp == 1:
+        return 0.0
+    return z.act * 2 * z.model.kv_dim * (z.kv_copies - 1) / z.setup.tp
+
+
+def ulysses_exchange_per_token(z: Sizes) -> float:
+    """Per local token, Ulysses' transient buffers at the peak of attention's backward: the head-layout
+    gradients dout, dq, dk, dv, and the all-to-all's send and receive buffers of q, k, v's gradients."""
+    if z.setup.sp == 1:
+        return 0.0
+    model, tp = z.model, z.setup.tp
+    qkv = z.act * (model.q_dim + 2 * model.kv_dim * z.kv_copies) / tp
+    return z.act * model.q_dim / tp + qkv + 2 * qkv
 
 
 def mlp_saved_per_token(z: Sizes) -> float:
@@ -178,16 +204,22 @@ def attention_working_set(z: Sizes) -> Term:
     grads = (z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.q_dim / tp + z.act * model.dim) * tokens
     # then the block's input norm differentiates in fp32: about 4 tensors of model width
     norm_backward = 4 * FP32 * model.dim * tokens
-    kv_per_token = 2 * z.act * model.kv_dim / tp  # K and V
+    # K and V that a GPU holds per token it attends for: under Ulysses 1/sp of the (repeated) heads
+    kv_per_token = 2 * z.act * model.kv_dim * z.kv_copies / (tp * z.setup.sp)
+    attended = tokens * z.setup.sp  # the cp rank's tokens: what the ring sees after the all-to-all
     if z.setup.cp == 1:
         moved, how = 0, "q, k, v, out, their gradients"
     elif z.setup.strategy == "allgather":
         moved = 2 * kv_per_token * z.group_tokens
-        how = "q, k, v, out, gradients; the whole sequence's K/V + its gradient"
+        how = "q, k, v, out, gradients; the whole sequence's K/V" + (" for 1/sp of the heads" if z.setup.sp > 1 else "") + " + its gradient"
     else:
-        moved = 4 * kv_per_token * tokens
+        moved = 4 * kv_per_token * attended
         how = "q, k, v, out, gradients; 2 K/V blocks + 2 gradient blocks"
-    return Term("attention working set", _at(0, mlp=recomputed, attention=recomputed + grads + moved + norm_backward),
+    exchange = ulysses_exchange_per_token(z) * tokens
+    if exchange:
+        how += "; Ulysses: head-layout gradients and all-to-all buffers"
+    return Term("attention working set",
+                _at(0, mlp=recomputed, attention=recomputed + grads + moved + exchange + norm_backward),
                 how + "; the norm's fp32 backward")
 
 

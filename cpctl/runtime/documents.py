@@ -42,8 +42,9 @@ class Placement:
     head_tail_balance: float  # the same for the default head-tail layout
 
 
-def place(rows: list[Starts], *, seq_len: int, cp_size: int, cp_rank: int) -> Placement:
-    """The cost-balanced layout for rows packed as `rows` (their work summed)."""
+def place(rows: list[Starts], *, seq_len: int, cp_size: int, cp_rank: int, pieces: int = 1) -> Placement:
+    """The cost-balanced layout for rows packed as `rows` (their work summed). `pieces`: how many
+    parts each chunk is cut into afterwards (sp_size under Ulysses), so the length must divide by that too."""
     masks = [Mask(documents=row) for row in rows]
 
     def costs(num_chunks: int) -> list[int]:
@@ -55,7 +56,7 @@ def place(rows: list[Starts], *, seq_len: int, cp_size: int, cp_rank: int) -> Pl
     head_tail_balance = balance([sum(fixed[c] for c in head_tail.chunks_of(r)) for r in range(cp_size)])
     best = None
     for per_rank in CHUNKS_PER_RANK:
-        if seq_len % (per_rank * cp_size):
+        if seq_len % (per_rank * cp_size * pieces):
             break
         layout, achieved = cost_balanced(costs(per_rank * cp_size), cp_size=cp_size, cp_rank=cp_rank)
         if best is None or achieved < best.balance:

@@ -1,4 +1,4 @@
-"""The DeviceMesh a resolved profile implies: axes dp_replicate, dp_shard, cp, tp, plus the
+"""The DeviceMesh a resolved profile implies: axes dp_replicate, dp_shard, cp, sp, tp, plus the
 flattened and combined ones that FSDP, the loss and the data loader use.
 
 The axis order is the one `cpctl.layout` prints in `cpctl launch --dry-run`; tp varies
@@ -13,11 +13,14 @@ from cpctl.config import Parallelism
 from cpctl.layout import MESH_AXES, axis_sizes
 
 # Flattened axes: "dp" (how many batches a step sees), "dp_shard_cp" (what FSDP shards over),
-# "dp_cp" (every rank that holds different tokens: loss normalisation).
+# "dp_cp" (every rank that holds different tokens: loss normalisation), "cp_sp" (the ranks that
+# split one sequence, cp-major). Ulysses ranks (sp) hold different tokens too, so they count
+# wherever cp does.
 FLATTENED = {
     "dp": ("dp_replicate", "dp_shard"),
-    "dp_shard_cp": ("dp_shard", "cp"),
-    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp_shard_cp": ("dp_shard", "cp", "sp"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp", "sp"),
+    "cp_sp": ("cp", "sp"),
 }
 
 

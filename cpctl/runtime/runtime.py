@@ -29,6 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpctl import config
 from cpctl.attention import ChunkLayout, context_parallel_attention, sharding
 from cpctl.attention.dispatch import RouteSDPA
+from cpctl.attention.ulysses import sequence_layout, ulysses_attention
 from cpctl.errors import CpctlError
 from cpctl.integrations import huggingface
 from cpctl.runtime import documents as packing
@@ -88,6 +89,25 @@ class Runtime:
         return self.axes["cp"].get_local_rank()
 
     @property
+    def sp_size(self) -> int:
+        """Ulysses ranks: they split attention heads inside attention, and the cp rank's tokens outside it."""
+        return self.axes["sp"].size()
+
+    @property
+    def sp_rank(self) -> int:
+        return self.axes["sp"].get_local_rank()
+
+    @property
+    def seq_size(self) -> int:
+        """How many ranks split one sequence: cp_size x sp_size."""
+        return self.axes["cp_sp"].size()
+
+    @property
+    def seq_group(self) -> dist.ProcessGroup:
+        """The ranks that split one sequence (cp-major, sp inner): shards, unshards and their checks go over it."""
+        return self.axes["cp_sp"].get_group()
+
+    @property
     def dp_size(self) -> int:
         return self.axes["dp"].size()
 
@@ -105,12 +125,17 @@ class Runtime:
         return self._cp_active
 
     @property
-    def layout(self) -> ChunkLayout:
-        """This step's layout: head-tail (or plain) chunks, or a cost-balanced one for packed documents."""
+    def ring_layout(self) -> ChunkLayout:
+        """The chunks each cp rank holds this step: head-tail (or plain), or cost-balanced for packed documents."""
         if self._step_layout is not None:
             return self._step_layout
         return ChunkLayout(cp_size=self.cp_size, cp_rank=self.cp_rank,
                            load_balance=self.config.parallelism.cp_load_balance)
+
+    @property
+    def layout(self) -> ChunkLayout:
+        """The tokens this rank holds this step: the ring's chunks, each cut over the sp ranks (sp > 1)."""
+        return sequence_layout(self.ring_layout, sp_size=self.sp_size, sp_rank=self.sp_rank)
 
     # ------------------------------------------------------------------ model and data
 
@@ -156,7 +181,7 @@ class Runtime:
     def _adopt(self, model: nn.Module) -> bool:
         """A Hugging Face model's attention through cpctl (under CP); whether it is to be checkpointed."""
         checkpointing = self.config.fsdp.activation_checkpointing
-        if self.cp_size > 1 and huggingface.is_huggingface_model(model):
+        if self.seq_size > 1 and huggingface.is_huggingface_model(model):
             # Its own gradient checkpointing would recompute outside CP's routing: ours instead.
             checkpointing = huggingface.prepare(model, self) or checkpointing
         return checkpointing
@@ -217,7 +242,7 @@ class Runtime:
         was = self._cp_active, self._documents
         self._cp_active, self._documents = True, documents
         try:
-            with RouteSDPA(self.step_attention, cp_size=self.cp_size):
+            with RouteSDPA(self.step_attention, cp_size=self.seq_size):
                 yield
         finally:
             self._cp_active, self._documents = was
@@ -239,16 +264,16 @@ class Runtime:
     def shard(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """This rank's (load-balanced) shard of a full-length tensor, as a new tensor
         (with cp_size 1: the tensor itself, which is its whole shard)."""
-        if self.cp_size == 1:
+        if self.seq_size == 1:
             return tensor
         return sharding.shard(tensor, seq_dim=seq_dim, layout=self.layout)
 
     def unshard(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Gather a sequence-sharded tensor back to full length, in original token order."""
-        if self.cp_size == 1:
+        if self.seq_size == 1:
             return tensor
-        pieces = [torch.empty_like(tensor) for _ in range(self.cp_size)]
-        dist.all_gather(pieces, tensor.contiguous(), group=self.cp_group)
+        pieces = [torch.empty_like(tensor) for _ in range(self.seq_size)]
+        dist.all_gather(pieces, tensor.contiguous(), group=self.seq_group)
         return sharding.unshard(pieces, seq_dim=seq_dim, layout=self.layout)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
@@ -261,9 +286,14 @@ class Runtime:
         per batch row, the start of every packed document; queries see only their own.
         """
         def compute() -> torch.Tensor:
-            if self.cp_size == 1 and window is None and chunk is None and documents is None:
+            if self.seq_size == 1 and window is None and chunk is None and documents is None:
                 return torch.nn.functional.scaled_dot_product_attention(
                     q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            if self.sp_size > 1:
+                return ulysses_attention(
+                    q, k, v, sp_group=self.axes["sp"].get_group(), cp_group=self.cp_group, ring_layout=self.ring_layout,
+                    strategy=self.config.parallelism.cp_comm_strategy, is_causal=is_causal, scale=scale,
+                    enable_gqa=enable_gqa, window=window, chunk=chunk, documents=documents)
             return context_parallel_attention(
                 q, k, v, group=self.cp_group, layout=self.layout, strategy=self.config.parallelism.cp_comm_strategy,
                 is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window, chunk=chunk,
@@ -306,15 +336,15 @@ class Runtime:
     def shift_sharded(self, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
         """Next-token labels of a sharded (batch, local_seq) tensor, as `cpctl.shift_labels` gives
         them on the full sequence: each chunk's last token takes the next chunk's first."""
-        if self.cp_size == 1:
+        if self.seq_size == 1:
             from cpctl.runtime.data import shift_labels
 
             return shift_labels(labels, ignore_index=ignore_index)
         layout, chunk_len = self.layout, labels.shape[1] // len(self.layout.local_chunks)
         firsts = labels[:, ::chunk_len].contiguous()  # (batch, local chunks)
-        gathered = [torch.empty_like(firsts) for _ in range(self.cp_size)]
-        dist.all_gather(gathered, firsts, group=self.cp_group)
-        first_of = {chunk: gathered[rank][:, pos] for rank in range(self.cp_size)
+        gathered = [torch.empty_like(firsts) for _ in range(self.seq_size)]
+        dist.all_gather(gathered, firsts, group=self.seq_group)
+        first_of = {chunk: gathered[rank][:, pos] for rank in range(self.seq_size)
                     for pos, chunk in enumerate(layout.chunks_of(rank))}
         shifted = torch.full_like(labels, ignore_index)
         for pos, chunk in enumerate(layout.local_chunks):
@@ -335,7 +365,7 @@ class Runtime:
                                documents: torch.Tensor | None = None) -> Iterator[None]:
         """Shard `buffers` in place along their sequence dims and compute every SDPA call
         across the CP group; on exit restore the buffers not in `no_restore_buffers`.
-        Enter it anew every step. With cp_size 1 it does nothing.
+        Enter it anew every step. With cp_size and sp_size 1 it does nothing.
 
         `documents`: full-length position ids (batch, seq) that restart at each packed
         document (as transformers' DataCollatorWithFlattening makes them): attention stays
@@ -346,7 +376,7 @@ class Runtime:
         if documents is not None and not isinstance(documents, torch.Tensor):
             raise CpctlError("maybe_context_parallel: documents must be a tensor of position ids, "
                              "e.g. cpctl.position_ids_for_documents(lengths)")
-        if self.cp_size == 1:
+        if self.seq_size == 1:
             # Nothing to shard, but packed documents must still keep attention inside each one.
             rows = None if documents is None else packing.documents_or_none(packing.starts_per_row(documents))
             if rows is None:
@@ -388,7 +418,8 @@ class Runtime:
         if self._documents is None or not self.config.parallelism.cp_load_balance:
             return
         self.layout.check_length(seq_len)
-        placed = packing.place(self._documents, seq_len=seq_len, cp_size=self.cp_size, cp_rank=self.cp_rank)
+        placed = packing.place(self._documents, seq_len=seq_len, cp_size=self.cp_size, cp_rank=self.cp_rank,
+                               pieces=self.sp_size)
         self._step_layout, self.cp_balance = placed.layout, placed.balance
         if self.is_main:
             # once at INFO (the run's log says how its documents are spread), then per step at DEBUG
@@ -401,8 +432,8 @@ class Runtime:
     def _check_same_inputs(self, buffers: list[torch.Tensor]) -> None:
         """Every rank of a CP group must hold the same full buffers: compare cheap fingerprints."""
         mine = guards.fingerprints(buffers).to(self.device)
-        gathered = [torch.empty_like(mine) for _ in range(self.cp_size)]
-        dist.all_gather(gathered, mine, group=self.cp_group)
+        gathered = [torch.empty_like(mine) for _ in range(self.seq_size)]
+        dist.all_gather(gathered, mine, group=self.seq_group)
         for rank, theirs in enumerate(gathered):
             if not torch.equal(theirs, gathered[0]):
                 row = int((theirs != gathered[0]).any(dim=1).nonzero()[0])
@@ -420,16 +451,17 @@ class Runtime:
         peers that are gone (or, worse, matched with the wrong call).
         """
         flag = torch.tensor([0 if problem is None else 1], device=self.device)
-        dist.all_reduce(flag, group=self.cp_group)
+        dist.all_reduce(flag, group=self.seq_group)
         if not int(flag.item()):
             return
-        problems = [None] * self.cp_size
-        dist.all_gather_object(problems, problem, group=self.cp_group)
+        problems = [None] * self.seq_size
+        dist.all_gather_object(problems, problem, group=self.seq_group)
         rank, first = next((r, p) for r, p in enumerate(problems) if p is not None)
         raise CpctlError(first if problem is not None else f"CP rank {self.cp_rank_to_global(rank)}: {first}")
 
     def cp_rank_to_global(self, cp_rank: int) -> int:
-        return dist.get_process_group_ranks(self.cp_group)[cp_rank]
+        """The global rank of a rank of the sequence group (the cp group when sp_size is 1)."""
+        return dist.get_process_group_ranks(self.seq_group)[cp_rank]
 
     # ------------------------------------------------------------------ losses
 
@@ -457,7 +489,7 @@ class Runtime:
         full_positions = self.unshard(position_ids, seq_dim=1)
         positions = torch.arange(full_positions.shape[1], device=labels.device).expand_as(full_positions)
         return losses.document_mean(token_losses, labels, starts=packing.starts_per_row(full_positions),
-                                    token_positions=self.shard(positions, seq_dim=1), cp=self.axes["cp"],
+                                    token_positions=self.shard(positions, seq_dim=1), cp=self.axes["cp_sp"],
                                     dp=self.axes["dp"], dp_cp=self.axes["dp_cp"], ignore_index=ignore_index)
 
 

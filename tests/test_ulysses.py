@@ -1,0 +1,94 @@
+"""Ulysses (sp) and 2D (sp x cp ring) attention against single-process SDPA on the full sequence.
+
+tests/workers/ulysses_cases.py runs every case under `torch.distributed.run` with gloo on CPU at
+world 4, once, for each (cp, sp) layout: sp 4; sp 2 x cp 2 with both ring strategies; sp 2 twice
+side by side. fp32 bar: 1e-5, as the CP engine's.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launching import REPO, launch_env, launch_once
+
+sys.path.insert(0, str(REPO / "tests" / "workers"))
+from ulysses_cases import LAYOUTS, cases
+
+WORKER = REPO / "tests" / "workers" / "ulysses_cases.py"
+WORLD = 4
+TOLERANCE = 1e-5
+TIMEOUT = 600
+OPTIONS = ("window", "chunk", "v_dim", "dtype", "documents")
+
+
+def case_id(cp: int, sp: int, case: dict) -> str:
+    options = [f"{name}{case[name]}" for name in OPTIONS if case.get(name) not in (None, "float32")]
+    return "-".join([
+        f"cp{cp}xsp{sp}", case["strategy"], "causal" if case["causal"] else "full",
+        "balanced" if case["load_balance"] else "plain", f"heads{case['q_heads']}:{case['kv_heads']}",
+        f"batch{case['batch']}", *options,
+    ])
+
+
+ALL = [(cp, sp, case) for cp, sp in LAYOUTS for case in cases(cp)]
+
+
+def run_worker(tmp: Path) -> dict[str, dict]:
+    out = tmp / "cases.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), str(WORKER),
+         str(out)], cwd=tmp, env=launch_env(tmp), check=False, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"ulysses worker exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-6000:]}")
+    lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    records = {}
+    for record in lines:
+        case = {k: record[k] for k in ("strategy", "causal", "load_balance", "q_heads", "kv_heads", "batch")}
+        case |= {k: record[k] for k in OPTIONS if k in record}
+        records[case_id(record["cp"], record["sp"], case)] = record
+    return records | {"__count__": len(lines)}
+
+
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory):
+    return launch_once(tmp_path_factory, "ulysses", run_worker)()
+
+
+def test_the_worker_ran_every_case(records) -> None:
+    assert records["__count__"] == len(ALL)
+    assert sorted(k for k in records if k != "__count__") == sorted(case_id(*c) for c in ALL)
+    for cp, sp, case in ALL:
+        record = records[case_id(cp, sp, case)]
+        assert (record["world"], record["seq"]) == (WORLD, 32 * cp * sp)
+
+
+@pytest.mark.parametrize(("cp", "sp", "case"), ALL, ids=[case_id(*c) for c in ALL])
+def test_matches_single_process_sdpa(records, cp: int, sp: int, case: dict) -> None:
+    errors = records[case_id(cp, sp, case)]["errors"]
+    assert sorted(errors) == ["dk", "dq", "dv", "out"]
+    assert all(error <= TOLERANCE for error in errors.values()), errors
+
+
+PLAIN = [(cp, sp, case) for cp, sp, case in ALL
+         if set(case) == {"strategy", "causal", "load_balance", "q_heads", "kv_heads", "batch"}]
+
+
+@pytest.mark.parametrize(("cp", "sp", "case"), PLAIN, ids=[case_id(*c) for c in PLAIN])
+def test_what_attention_keeps_for_backward_is_what_cpctl_plan_counts(records, cp: int, sp: int, case: dict) -> None:
+    """The planner's per-token attention tensors (less the norm's) times this rank's tokens: the
+    bytes autograd keeps in one Ulysses call, K/V repeated for fewer heads than sp included."""
+    from cpctl.planner import ModelShape, Setup, Sizes
+    from cpctl.planner.terms import _norm_saved, attention_saved_per_token
+
+    record = records[case_id(cp, sp, case)]
+    head_dim = 16
+    model = ModelShape("test", vocab_size=8, dim=case["q_heads"] * head_dim, n_layers=1, n_heads=case["q_heads"],
+                       n_kv_heads=case["kv_heads"], ffn_dim=8, head_dim=head_dim)
+    sizes = Sizes(model, Setup(gpus=cp * sp, cp=cp, sp=sp, precision="no", batch=case["batch"]), record["seq"])
+    per_token = attention_saved_per_token(sizes) - _norm_saved(sizes)
+    assert record["saved_bytes"] == per_token * sizes.local_tokens
