@@ -84,3 +84,22 @@ def test_packed_documents_at_cp_1_equal_the_documents_one_by_one(tmp_path: Path)
 def test_attention_across_documents_is_caught(packed_runs, cp: int, strategy: str) -> None:
     leak = packed_runs(cp, strategy)["cases"]["example/mixed/leak"]
     assert leak["grads_vs_alone"] > 1e-4 and leak["loss_vs_alone"] > 1e-4
+
+
+def test_the_packed_benchmark_runs_at_a_tiny_size(tmp_path: Path) -> None:
+    """scripts/bench_packed.py --tiny on CPU: its attention check passes, both steps train, one JSON line each."""
+    import subprocess
+    import sys
+
+    from launching import launch_env
+
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_packed.py"), "--tiny", "--warmup", "0",
+                           "--steps", "1"], cwd=tmp_path, env=launch_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    dense, packed, ratio = (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
+    assert (dense["kind"], packed["kind"], ratio["kind"]) == ("dense", "packed", "ratio")
+    assert (dense["documents"], packed["documents"], packed["document"]) == (1, 8, 128)
+    assert dense["attention_check"] <= 1e-5  # the engine's packed attention against SDPA per document, fp32
+    assert 0 < packed["loss"] < 10 and 0 < dense["loss"] < 10  # about ln(512) at random weights
+    assert ratio["packed_over_dense"] > 0
