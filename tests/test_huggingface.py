@@ -48,6 +48,9 @@ def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, layout
     assert result["grads"] <= 1e-5
     refusals = result["refusals"]
     for name, fragments in REFUSALS.items():
+        if tp > 1 and name.startswith("falcon"):  # Falcon has no TP plan to prepare it with
+            assert name not in refusals
+            continue
         if cp == 1 and name in FINE_AT_CP_1:
             assert refusals[name] is None, f"{name} was refused at cp 1: {refusals[name]}"
             continue
