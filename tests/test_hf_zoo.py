@@ -1,9 +1,11 @@
 """A zoo of tiny Hugging Face causal LMs trains under CP as in one process (tests/workers/hf_zoo.py).
 
-One `cpctl launch` per CP strategy runs every architecture (two cases each: the README loop, and
-`model(input_ids=ids, labels=ids).loss` as accelerate users call it); each (strategy, architecture,
-case) is then its own test: two SGD steps' losses and the first step's full gradients within 1e-5
-of a one-process run, or, for an entry of REFUSED, an error naming the expected substring.
+One `cpctl launch` per run (cp 2 with each CP strategy, and cp 1: one process, attention still
+through cpctl's engine) runs every architecture (six cases each: the README loop,
+`model(input_ids=ids, labels=ids).loss` as accelerate users call it, `rt.causal_lm_loss`, and
+the three on packed documents); each (run, architecture, case) is then its own test: two SGD
+steps' losses and the first step's full gradients within 1e-5 of a one-process run of plain
+transformers, or, for an entry of REFUSED, an error naming the expected substring.
 
 A rank failing alone can leave the other inside a collective and kill the launch: the
 architecture it died in is recorded as that crash (with the errors the ranks printed), and the
@@ -12,7 +14,7 @@ architectures not yet run are launched again.
 A last test makes deliberate mistakes (local position ids, labels shifted per shard) and checks
 that they are refused or caught: the comparison can fail.
 
-`python tests/test_hf_zoo.py [allgather|alltoall] [ARCH ...]` prints the table without pytest.
+`python tests/test_hf_zoo.py [allgather|alltoall|cp1] [ARCH ...]` prints the table without pytest.
 """
 
 from __future__ import annotations
@@ -30,10 +32,11 @@ from launching import REPO, cpctl, launch_once
 pytest.importorskip("transformers")
 
 WORKER = REPO / "tests" / "workers" / "hf_zoo.py"
-STRATEGIES = ("allgather", "alltoall")  # cpctl.attention.Strategy's values, spelled out: no torch at collection
-CASES = ("cp", "hf_loss", "chunked_loss")
+# (cp size, strategy): cpctl.attention.Strategy's values, spelled out (no torch at collection)
+RUNS = {"cp2-allgather": (2, "allgather"), "cp2-alltoall": (2, "alltoall"), "cp1": (1, "allgather")}
+CASES = ("cp", "hf_loss", "chunked_loss", "packed", "packed_loss", "packed_chunked_loss")
 TOLERANCE = 1e-5  # fp32
-SEQ, CP = 64, 2  # the worker's sequence length; the launches' cp size
+SEQ = 64  # the worker's sequence length
 LAUNCH_TIMEOUT = 900  # seconds for one launch over the whole zoo (about a minute when all goes well)
 
 # Architecture ("llama") or architecture/case ("llama/hf_loss") -> a substring of the error cpctl
@@ -68,14 +71,15 @@ def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
     return proc.returncode, out + err
 
 
-def run_zoo(tmp_path: Path, strategy: str, *worker_args: str, archs: list[str] | None = None,
+def run_zoo(tmp_path: Path, run: str, *worker_args: str, archs: list[str] | None = None,
             cases: tuple[str, ...] = CASES) -> dict:
     """{arch: {case: record}} for every architecture asked for (all by default), relaunching past crashes."""
+    cp, strategy = RUNS[run]
     results: dict = {}
     pending = list(archs or [])  # empty: the worker's own full list
     for attempt in range(len(ARCHS) + 1):
-        out = tmp_path / f"zoo-{strategy}-{attempt}.json"
-        proc = cpctl("--device", "cpu", "--nproc-per-node", str(CP), "--cp-size", str(CP),
+        out = tmp_path / f"zoo-{run}-{attempt}.json"
+        proc = cpctl("--device", "cpu", "--nproc-per-node", str(cp), "--cp-size", str(cp),
                      "--cp-comm-strategy", strategy, str(WORKER), str(out), *worker_args, *pending, tmp_path=tmp_path)
         code, output = _wait(proc, LAUNCH_TIMEOUT)
         part = json.loads(out.read_text()) if out.exists() else {}
@@ -108,11 +112,11 @@ def run_zoo(tmp_path: Path, strategy: str, *worker_args: str, archs: list[str] |
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory: pytest.TempPathFactory):
-    """One launch per strategy, on first use, shared by that strategy's tests (a failure too)."""
+    """One launch per run, on first use, shared by that run's tests (a failure too)."""
     return launch_once(tmp_path_factory, "zoo", run_zoo)
 
 
-def check(record: dict, arch: str, case: str) -> None:
+def check(record: dict, arch: str, case: str, *, cp: int) -> None:
     refused = REFUSED.get(f"{arch}/{case}", REFUSED.get(arch))
     if refused is not None:
         assert record.get("error") and refused in record["error"], (
@@ -120,23 +124,24 @@ def check(record: dict, arch: str, case: str) -> None:
         return
     assert record.get("error") is None, f"{arch}/{case}: {record['error']}"
     assert len(record["losses_ref"]) == len(record["losses_cp"]) == 2, record
-    assert record["local_len"] == SEQ // CP, f"{arch}/{case}: the CP model saw {record['local_len']} tokens"
+    assert record["local_len"] == SEQ // cp, f"{arch}/{case}: the CP model saw {record['local_len']} tokens"
+    assert record["engine_calls"] > 0, f"{arch}/{case}: attention did not go through cpctl's engine"
     assert record["loss_diff"] <= TOLERANCE, f"{arch}/{case}: loss differs by {record['loss_diff']:.3g}: {record}"
     assert record["grad_diff"] <= TOLERANCE, f"{arch}/{case}: gradients differ by {record['grad_diff']:.3g}: {record}"
 
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_hf_architecture_trains_under_cp_as_in_one_process(zoo, strategy: str, arch: str, case: str) -> None:
-    results = zoo(strategy)
+@pytest.mark.parametrize("run", RUNS)
+def test_hf_architecture_trains_under_cp_as_in_one_process(zoo, run: str, arch: str, case: str) -> None:
+    results = zoo(run)
     assert set(results) == set(ARCHS), f"architectures missing: {set(ARCHS) - set(results)}"
-    check(results[arch][case], arch, case)
+    check(results[arch][case], arch, case, cp=RUNS[run][0])
 
 
 def test_the_comparison_catches_mistakes(tmp_path: Path) -> None:
     """Mistakes in the README loop must show: refused, or gradients far from the one-process ones."""
-    results = run_zoo(tmp_path, "allgather", "--wrong-positions", "--wrong-labels", archs=["llama"],
+    results = run_zoo(tmp_path, "cp2-allgather", "--wrong-positions", "--wrong-labels", archs=["llama"],
                       cases=("wrong_positions", "wrong_labels"))["llama"]
     # Local positions arange(local_len): cpctl may refuse them; it must never train them silently.
     positions = results["wrong_positions"]
@@ -147,27 +152,27 @@ def test_the_comparison_catches_mistakes(tmp_path: Path) -> None:
     # Labels shifted per shard: nothing to refuse (they are just token ids), so the numbers must differ.
     labels = results["wrong_labels"]
     assert labels.get("error") is None, labels
-    assert labels["local_len"] == SEQ // CP, labels
+    assert labels["local_len"] == SEQ // RUNS["cp2-allgather"][0], labels
     assert labels["grad_diff"] > 1e-4 and labels["loss_diff"] > 1e-4, labels
 
 
-def _table(results: dict) -> str:
+def _table(results: dict, *, cp: int) -> str:
     rows = []
     for arch, cases in results.items():
         for case, r in cases.items():
             try:
-                check(r, arch, case)
+                check(r, arch, case, cp=cp)
                 verdict = "ok"
             except AssertionError:
                 verdict = "FAIL"
             what = r.get("error") or f"loss {r['loss_diff']:.2e} grad {r['grad_diff']:.2e}"
-            rows.append(f"{arch:12} {case:8} {verdict:5} {what}")
+            rows.append(f"{arch:12} {case:19} {verdict:5} {what}")
     return "\n".join(rows)
 
 
 if __name__ == "__main__":
     import tempfile
 
-    strategy = sys.argv[1] if len(sys.argv) > 1 else "allgather"
+    run = {"allgather": "cp2-allgather", "alltoall": "cp2-alltoall", "cp1": "cp1"}[sys.argv[1] if len(sys.argv) > 1 else "allgather"]
     with tempfile.TemporaryDirectory() as tmp:
-        print(_table(run_zoo(Path(tmp), strategy, archs=sys.argv[2:] or None)))
+        print(_table(run_zoo(Path(tmp), run, archs=sys.argv[2:] or None), cp=RUNS[run][0]))

@@ -57,8 +57,9 @@ def test_packed_training_equals_the_documents_one_by_one(packed_runs, cp: int, s
             assert case["balance"] is None and case["local_chunks"] == 2, (name, case)
 
 
-def test_packed_documents_at_cp_1_keep_attention_inside_each_document(tmp_path: Path) -> None:
-    """One plain process: nothing is sharded, but documents= must still mask the example's SDPA calls."""
+def test_packed_documents_at_cp_1_equal_the_documents_one_by_one(tmp_path: Path) -> None:
+    """One plain process (cp 1): nothing is sharded, attention goes through the same engine, and
+    every case of cp 2 holds, plus a row of odd length that no cp > 1 could divide."""
     import subprocess
     import sys
 
@@ -68,14 +69,37 @@ def test_packed_documents_at_cp_1_keep_attention_inside_each_document(tmp_path: 
     done = subprocess.run([sys.executable, str(WORKER), str(out)], cwd=tmp_path, env=launch_env(tmp_path),
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    cases = json.loads(out.read_text())["cases"]
+    cases = {name: case for name, case in json.loads(out.read_text())["cases"].items() if not name.endswith("/leak")}
+    assert len(cases) == 20  # the 17 of cp > 1, and the odd-length row for both models (and both ways for hf)
+    assert {name for name in cases if "/odd_length/" in name} == {
+        "example/odd_length/documents", "hf/odd_length/documents", "hf/odd_length/positions"}
     for name, case in cases.items():
-        if name.endswith("/leak"):
-            continue
         assert case["loss_vs_alone"] <= TOLERANCE and case["grads_vs_alone"] <= TOLERANCE, (name, case)
+        if name.startswith("hf/"):
+            assert case["grads_vs_packed"] <= TOLERANCE, (name, case)
+        assert case["balance"] is None and case["local_chunks"] == 1, (name, case)  # one chunk: the whole row
 
 
 @pytest.mark.parametrize(("cp", "strategy"), RUNS[:1], ids=["cp2-allgather"])
 def test_attention_across_documents_is_caught(packed_runs, cp: int, strategy: str) -> None:
     leak = packed_runs(cp, strategy)["cases"]["example/mixed/leak"]
     assert leak["grads_vs_alone"] > 1e-4 and leak["loss_vs_alone"] > 1e-4
+
+
+def test_the_packed_benchmark_runs_at_a_tiny_size(tmp_path: Path) -> None:
+    """scripts/bench_packed.py --tiny on CPU: its attention check passes, both steps train, one JSON line each."""
+    import subprocess
+    import sys
+
+    from launching import launch_env
+
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_packed.py"), "--tiny", "--warmup", "0",
+                           "--steps", "1"], cwd=tmp_path, env=launch_env(tmp_path), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    dense, packed, ratio = (json.loads(line) for line in done.stdout.splitlines() if line.startswith("{"))
+    assert (dense["kind"], packed["kind"], ratio["kind"]) == ("dense", "packed", "ratio")
+    assert (dense["documents"], packed["documents"], packed["document"]) == (1, 8, 128)
+    assert dense["attention_check"] <= 1e-5  # the engine's packed attention against SDPA per document, fp32
+    assert 0 < packed["loss"] < 10 and 0 < dense["loss"] < 10  # about ln(512) at random weights
+    assert ratio["packed_over_dense"] > 0

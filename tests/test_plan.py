@@ -320,18 +320,20 @@ def token_pairs(blocks: list[Block], q_chunks, kv_chunks, s: AttentionSpec) -> t
 
 def reference_mask(n: int, *, causal: bool, window: int | None, chunk: int | None,
                    documents: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Written out independently of masks.Mask, as Hugging Face's mask functions define it."""
+    """Written out independently of masks.Mask, as Hugging Face's mask functions define it (with packed
+    documents, on the positions within each document: chunks count from a document's start)."""
+    position = torch.arange(n)
+    doc = torch.zeros(n, dtype=torch.long)
+    for start in [s for s in (documents or (0,))[1:] if s < n]:
+        doc[start:] += 1
+        position[start:] -= position[start].clone()
     q, k = torch.arange(n)[:, None], torch.arange(n)[None, :]
     allowed = (k <= q) if causal else torch.ones(n, n, dtype=torch.bool)
     if window is not None:
         allowed &= (k > q - window) if causal else ((q - k).abs() < window)
     if chunk is not None:
-        allowed &= k // chunk == q // chunk
-    if documents is not None:
-        doc = torch.zeros(n, dtype=torch.long)
-        for start in documents[1:]:
-            doc[start:] += 1
-        allowed &= doc[:, None] == doc[None, :]
+        allowed &= position[None, :] // chunk == position[:, None] // chunk
+    allowed &= doc[:, None] == doc[None, :]
     return allowed
 
 
@@ -340,6 +342,9 @@ MASKS.append(dict(window=6, chunk=10))
 # packed documents: one-token documents, documents across chunk and rank boundaries, one long one
 DOCUMENTS = [(0, 1, 2, 7, 13, 14, 30), (0, 5), tuple(range(0, 64, 3)), (0, 4, 8, 12, 16, 20, 24, 28)]
 MASKS += [dict(window=None, chunk=None, documents=d) for d in DOCUMENTS] + [dict(window=5, chunk=None, documents=DOCUMENTS[0])]
+# chunks inside documents count from each document's start (Llama 4 on packed rows)
+MASKS += [dict(window=None, chunk=4, documents=DOCUMENTS[0]), dict(window=None, chunk=6, documents=DOCUMENTS[2]),
+          dict(window=3, chunk=5, documents=DOCUMENTS[0])]
 
 
 @pytest.mark.parametrize("mask", MASKS, ids=lambda m: f"window{m['window']}-chunk{m['chunk']}-docs{len(m.get('documents') or ())}")
@@ -438,7 +443,8 @@ def test_cost_balanced_layouts_cover_every_visible_pair_once(cp_size: int, docum
 
 def test_row_cost_counts_visible_pairs() -> None:
     for mask in (Mask(), Mask(window=5), Mask(chunk=6), Mask(documents=DOCUMENTS[0]), Mask(causal=False, window=3),
-                 Mask(causal=False, documents=(0, 5, 9))):
+                 Mask(causal=False, documents=(0, 5, 9)), Mask(chunk=4, documents=(0, 3, 13)),
+                 Mask(causal=False, chunk=4, documents=(0, 3, 13))):
         n = 40
         dense = mask.dense(torch.arange(n), torch.arange(n), seq_len=n)
         for start, stop in ((0, n), (3, 17), (20, 21)):

@@ -257,13 +257,16 @@ def test_plain_python_is_a_world_of_one(single_rank) -> None:
     assert attrs["mesh_shape"] == [1, 1, 1, 1, 1] and attrs["init_again_is_same"]
 
 
-def test_the_context_is_a_no_op_on_one_process(single_rank) -> None:
-    result = case([single_rank], "single_process_noop")[0]
-    assert result["inside_ids"] == [list(range(6))] and result["same_storage"]  # 6 tokens: nothing to divide
-    assert result["masked_sdpa_error"] == 0.0  # any mask is fine without CP: SDPA is not routed
+def test_on_one_process_the_context_shards_nothing_and_attention_goes_through_the_engine(single_rank) -> None:
+    result = case([single_rank], "single_process")[0]
+    assert result["inside_ids"] == [list(range(7))] and result["same_storage"]  # 7 tokens: nothing to divide
+    assert result["masked_sdpa_error"] == 0.0  # a mask over the whole sequence runs as it is
+    assert result["engine_calls"] == 1 and result["causal_sdpa_error"] <= 1e-6  # causal SDPA: the engine's
+    assert result["documents_error"] <= 1e-6  # documents= keeps attention inside each document, length 7
+    assert "attn_mask" in (result["masked_with_documents"]["message"] or "")  # a mask cannot take documents
     assert result["shard_is_identity"] and result["unshard_is_identity"]
-    assert result["attention_error"] == 0.0
-    assert result["token_mean"] == 4.0  # 12 over the 3 labels that are not -100
+    assert result["attention_error"] <= 1e-6
+    assert result["token_mean"] == 4.0  # 20 over the 5 labels that are not -100
     token_mean = case([single_rank], "token_mean")[0]
     assert token_mean["value"] == pytest.approx(token_mean["expected"], abs=1e-6)
     assert token_mean["weight_grad"] == pytest.approx(token_mean["expected"], abs=1e-6)

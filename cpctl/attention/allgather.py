@@ -5,7 +5,8 @@ K/V (one causal call: head-tail shards keep global order), then attend the local
 to the gathered K/V laid out in sequence order (Llama 3 style: each query chunk against
 its whole visible prefix in one call). Backward: gather K/V again rather than keep the
 whole sequence's K/V alive between forward and backward (memory per GPU stays flat), then
-reduce-scatter the K/V gradients back to their owners.
+reduce-scatter the K/V gradients back to their owners. In a group of one (cp_size 1) every
+block is local and no collective runs.
 """
 
 from __future__ import annotations
@@ -71,8 +72,11 @@ def _sequence_order(gathered: torch.Tensor, layout: ChunkLayout) -> torch.Tensor
 def forward(q, k, v, spec: AttentionSpec):
     chunk_len = q.shape[2] // len(spec.layout.local_chunks)
     local_blocks, remote_blocks = local_plan(spec), remote_plan(spec)
-    gathered, request = _post_gather(k, v, spec)
     acc = ForwardAccumulator(q, chunk_len=chunk_len, num_chunks=len(spec.layout.local_chunks))
+    if spec.layout.cp_size == 1:  # a group of one: all K/V is local, nothing to gather
+        forward_blocks(acc, local_blocks, q, k, v, spec=spec)
+        return acc.result(q.dtype)
+    gathered, request = _post_gather(k, v, spec)
     forward_blocks(acc, local_blocks, q, k, v, spec=spec)
     request.wait()
     kv_all = _sequence_order(gathered, spec.layout)
@@ -90,7 +94,6 @@ def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
     # reduce-scatter of the K/V gradients.
     local_blocks = local_plan(spec, causal_squares=False)
     split = max(1, len(local_blocks) - 1)
-    gathered, request = _post_gather(k, v, spec)
 
     dq_buf = empty_seq_major(q.shape, like=q)
     dkv_local_buf = empty_seq_major((2, *k.shape), like=k)
@@ -98,6 +101,12 @@ def backward(dout, q, k, v, out, lse, spec: AttentionSpec):
     dkv_local = ChunkSink(seq_chunks(dkv_local_buf[0], dkv_local_buf[1], chunk_len=c),
                           num_chunks=len(layout.local_chunks), chunk_len=c)
     rows = dict(dout=dout, q=q, out=out, lse=lse, dq=dq, chunk_len=c, spec=spec)
+    if layout.cp_size == 1:  # a group of one: no K/V to gather, no gradients to send back
+        backward_blocks(local_blocks, k=k, v=v, dkv=dkv_local, **rows)
+        dq.zero_unwritten()
+        dkv_local.zero_unwritten()
+        return dq_buf.to(q.dtype), dkv_local_buf[0].to(k.dtype), dkv_local_buf[1].to(v.dtype)
+    gathered, request = _post_gather(k, v, spec)
     backward_blocks(local_blocks[:split], k=k, v=v, dkv=dkv_local, **rows)
     request.wait()
     kv_all = _sequence_order(gathered, layout)

@@ -23,6 +23,12 @@ _MHA = F.multi_head_attention_forward
 _MHA_SDPA_NAME = "scaled_dot_product_attention"
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
+# The attention mask cpctl hands a model that calls SDPA itself with the mask transformers
+# builds (Falcon): transformers passes a 4-D mask through unchanged, and an SDPA call inside
+# the routing reads this one as "the model's causal mask over the whole sequence". Integer,
+# so that anywhere else (a real SDPA call, added to scores) it fails loudly or is refused.
+MODEL_CAUSAL_MASK = torch.zeros((1, 1, 1, 1), dtype=torch.int32)
+
 
 def _bind(args, kwargs) -> dict:
     bound = dict(zip(_SDPA_PARAMS, args))
@@ -62,12 +68,18 @@ def _check_loss_lengths(args, kwargs, cp_size: int) -> None:
 
 
 class RouteSDPA(TorchFunctionMode):
-    """Inside: SDPA calls go to `attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)`."""
+    """Inside: SDPA calls go to `attention(q, k, v, is_causal=..., scale=..., enable_gqa=...)`.
 
-    def __init__(self, attention: Callable[..., torch.Tensor], *, cp_size: int = 1):
+    `passes_masks()`: whether a call with a tensor mask may run unrouted, as it is (cp_size 1
+    with nothing to add to the mask); otherwise only a causal mask is accepted, as `is_causal`.
+    """
+
+    def __init__(self, attention: Callable[..., torch.Tensor], *, cp_size: int = 1,
+                 passes_masks: Callable[[], bool] = lambda: False):
         super().__init__()
         self.attention = attention
         self.cp_size = cp_size
+        self.passes_masks = passes_masks
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -81,7 +93,9 @@ class RouteSDPA(TorchFunctionMode):
         q, k = call["query"], call["key"]
         is_causal = bool(call["is_causal"])
         mask = call["attn_mask"]
-        if mask is not None and self.cp_size == 1:  # nothing sharded: the mask covers the whole sequence
+        if mask is MODEL_CAUSAL_MASK:
+            mask, is_causal = None, True
+        if mask is not None and self.passes_masks():  # nothing sharded: the mask covers the whole sequence
             return func(*args, **kwargs)
         if mask is not None:
             # A model handing SDPA an explicit causal mask (some Hugging Face paths do) means
@@ -99,8 +113,10 @@ class RouteSDPA(TorchFunctionMode):
                 f"scaled_dot_product_attention with dropout_p={call['dropout_p']} under context parallelism; "
                 "attention dropout is not supported with CP: set it to 0 (model.config.attention_dropout = 0.0)"
             )
-        return self.attention(q, k, call["value"], is_causal=is_causal, scale=call["scale"],
-                              enable_gqa=bool(call["enable_gqa"]))
+        # One K/V head against several query heads is SDPA's broadcasting (Falcon's multi-query
+        # attention): the same as GQA with every query head in one group.
+        enable_gqa = bool(call["enable_gqa"]) or (k.dim() == 4 and k.shape[1] == 1 < q.shape[1])
+        return self.attention(q, k, call["value"], is_causal=is_causal, scale=call["scale"], enable_gqa=enable_gqa)
 
     def _multi_head_attention(self, func, args, kwargs):
         """nn.MultiheadAttention (and so nn.TransformerEncoderLayer) under CP.

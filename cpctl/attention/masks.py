@@ -33,8 +33,9 @@ class Mask:
     `window`: q sees the `window` keys ending at itself (Hugging Face's sliding_window:
     k > q - window), and as many after it when not causal. `chunk`: q sees only keys of its
     own `chunk`-token chunk. `documents`: the first position of every document packed into
-    the sequence (0 first, ascending); q sees only keys of its own document. Each narrows
-    the visible interval.
+    the sequence (0 first, ascending); q sees only keys of its own document, and chunks count
+    from the document's start (as transformers reads packed position ids, and as each document
+    alone would be chunked). Each narrows the visible interval.
     """
 
     causal: bool = True
@@ -55,14 +56,17 @@ class Mask:
     def is_plain(self) -> bool:
         return self.window is None and self.chunk is None and self.documents is None
 
+    def _start(self, q: int) -> int:
+        """Where q's document starts (0 without documents)."""
+        return 0 if self.documents is None else self.documents[bisect.bisect_right(self.documents, q) - 1]
+
     def lo(self, q: int) -> int:
-        lo = 0
+        start = self._start(q)
+        lo = start
         if self.window is not None:
             lo = max(lo, q - self.window + 1)
         if self.chunk is not None:
-            lo = max(lo, q // self.chunk * self.chunk)
-        if self.documents is not None:
-            lo = max(lo, self.documents[bisect.bisect_right(self.documents, q) - 1])
+            lo = max(lo, start + (q - start) // self.chunk * self.chunk)
         return lo
 
     def hi(self, q: int, seq_len: int) -> int:
@@ -72,7 +76,8 @@ class Mask:
         if self.window is not None:
             hi = min(hi, q + self.window - 1)
         if self.chunk is not None:
-            hi = min(hi, (q // self.chunk + 1) * self.chunk - 1)
+            start = self._start(q)
+            hi = min(hi, start + ((q - start) // self.chunk + 1) * self.chunk - 1)
         if self.documents is not None:
             following = bisect.bisect_right(self.documents, q)
             if following < len(self.documents):
@@ -82,21 +87,20 @@ class Mask:
     def row_cost(self, q_start: int, q_stop: int, *, seq_len: int) -> int:
         """How many (query, key) pairs the queries [q_start, q_stop) see: their attention work."""
         q = torch.arange(q_start, q_stop, dtype=torch.int64)
-        lo, hi = torch.zeros_like(q), q.clone() if self.causal else torch.full_like(q, seq_len - 1)
+        start, end = torch.zeros_like(q), torch.full_like(q, seq_len)  # q's document
+        if self.documents is not None:
+            starts = torch.tensor([*self.documents, seq_len], dtype=torch.int64)
+            index = torch.searchsorted(starts, q, right=True)
+            start, end = starts[index - 1], starts[index]
+        lo, hi = start.clone(), q.clone() if self.causal else end - 1
         if self.window is not None:
             lo = torch.maximum(lo, q - self.window + 1)
             if not self.causal:
                 hi = torch.minimum(hi, q + self.window - 1)
         if self.chunk is not None:
-            lo = torch.maximum(lo, q // self.chunk * self.chunk)
+            lo = torch.maximum(lo, start + (q - start) // self.chunk * self.chunk)
             if not self.causal:
-                hi = torch.minimum(hi, (q // self.chunk + 1) * self.chunk - 1)
-        if self.documents is not None:
-            starts = torch.tensor([*self.documents, seq_len], dtype=torch.int64)
-            index = torch.searchsorted(starts, q, right=True)
-            lo = torch.maximum(lo, starts[index - 1])
-            if not self.causal:
-                hi = torch.minimum(hi, starts[index] - 1)
+                hi = torch.minimum(hi, start + ((q - start) // self.chunk + 1) * self.chunk - 1)
         return int((hi - lo + 1).sum())
 
     def classify(self, q0: int, q1: int, k0: int, k1: int, *, seq_len: int) -> Visibility:
@@ -132,12 +136,14 @@ class Mask:
             visible = visible & (k > q - self.window)
             if not self.causal:
                 visible = visible & (k < q + self.window)
-        if self.chunk is not None:
-            visible = visible & (k // self.chunk == q // self.chunk)
+        q_start, k_start = torch.zeros_like(q), torch.zeros_like(k)
         if self.documents is not None:
             starts = torch.tensor(self.documents, device=q_pos.device)
             doc_of = lambda pos: torch.searchsorted(starts, pos, right=True)  # noqa: E731
             visible = visible & (doc_of(k) == doc_of(q))
+            q_start, k_start = starts[doc_of(q) - 1], starts[doc_of(k) - 1]
+        if self.chunk is not None:
+            visible = visible & ((k - k_start) // self.chunk == (q - q_start) // self.chunk)
         return visible
 
 

@@ -1,8 +1,8 @@
 """Hugging Face transformers models under CP, unmodified: attention, masks, positions and `.loss`.
 
-A model prepared with cp_size > 1 gets the attention implementation "cpctl", registered with
-transformers' own `AttentionInterface` and `AttentionMaskInterface` (the hooks libraries that
-bring their own attention use):
+A prepared model (at every cp size, 1 included) gets the attention implementation "cpctl",
+registered with transformers' own `AttentionInterface` and `AttentionMaskInterface` (the hooks
+libraries that bring their own attention use):
 
 * masks: inside `maybe_context_parallel` no mask is built from a shard (a shard is not a
   sequence: its head-tail chunks look like packed documents, its length hides windows);
@@ -14,19 +14,33 @@ bring their own attention use):
   and `labels` get the single-process loss: shifted over the whole sequence and averaged
   over every token of the dp x cp batch.
 
+A model that does not take attention implementations but calls SDPA itself with the mask
+transformers builds (Falcon) keeps "sdpa": inside `maybe_context_parallel` it is handed a mask
+that its SDPA calls read as its causal mask over the whole sequence (`MODEL_CAUSAL_MASK`), and
+those calls are routed like any other code's.
+
+Packed documents are read from position ids exactly when transformers reads them in one
+process: no attention_mask and no KV cache (use_cache off: the config's default, True, keeps
+transformers from reading them).
+
 What cannot be expressed is refused before the first step, from the config, or at the call,
-with the setting to change: never a silently different model.
+with the setting to change: never a silently different model. At cp_size 1 a model whose
+config cannot be computed is left to transformers outside `maybe_context_parallel` (it is then
+transformers' own model) and refused inside it, as under CP.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
+import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from cpctl.attention.dispatch import MODEL_CAUSAL_MASK
 from cpctl.errors import CpctlError
 
 if TYPE_CHECKING:
@@ -37,11 +51,10 @@ IMPLEMENTATION = "cpctl"
 # tokens some other way (linear attention, state spaces, convolutions) that CP cannot shard.
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
 IGNORE_INDEX = -100
+_log = logging.getLogger("cpctl")
 
 
 def is_huggingface_model(model: nn.Module) -> bool:
-    import sys
-
     if "transformers" not in sys.modules:  # never import it for a model that is not one
         return False
     from transformers import PreTrainedModel
@@ -58,27 +71,73 @@ def prepare(model: nn.Module, runtime: Runtime) -> bool:
     Returns whether the model had its own gradient checkpointing on: it is turned off here
     (its recompute would run outside CP's routing) and the runtime checkpoints the blocks instead.
     """
-    config = model.config
-    problems = list(_config_problems(config)) + list(_head_problems(config, sp_size=runtime.sp_size,
-                                                                    tp_size=runtime.config.parallelism.tp_size))
-    if problems:
-        raise CpctlError(f"{type(model).__name__} cannot run under context parallelism: {problems[0]}")
     global _runtime
     _runtime = runtime
-    _register()
-    model.set_attn_implementation(IMPLEMENTATION)
-    if model.config._attn_implementation != IMPLEMENTATION:
-        raise CpctlError(
-            f"{type(model).__name__} does not take attention implementations through transformers' "
-            "AttentionInterface, so cpctl cannot see its masks; run it with cp_size 1"
-        )
+    config = model.config
+    problems = [*_config_problems(config),
+                *_head_problems(config, sp_size=runtime.sp_size, tp_size=runtime.config.parallelism.tp_size)]
+    problem = next(iter(problems), None)
+    calls_sdpa = False
+    if problem is None:
+        _register()
+        if _takes_attention_interface(model):
+            model.set_attn_implementation(IMPLEMENTATION)
+        if model.config._attn_implementation != IMPLEMENTATION:
+            problem = _sdpa_call_problem(model)
+            calls_sdpa = problem is None
+    if problem is not None:
+        problem = f"{type(model).__name__} cannot run under context parallelism: {problem}"
+        if runtime.seq_size > 1:
+            raise CpctlError(problem)
+        # cp_size 1: outside the context the model is transformers' own; inside, refused as under CP.
+        _log.info("%s keeps transformers' attention (refused inside maybe_context_parallel): %s",
+                  type(model).__name__, problem)
+        model.register_forward_pre_hook(lambda module, args: _refuse_inside(runtime, problem))
+        return False
+    model._cpctl_calls_sdpa = calls_sdpa
     model.register_forward_pre_hook(lambda module, args, kwargs: _before_forward(module, args, kwargs, runtime),
                                     with_kwargs=True)
     model.register_forward_hook(lambda module, args, output: _after_forward(module, output, runtime))
     checkpointing = _checkpointing_on(model)
     if checkpointing:
         model.gradient_checkpointing_disable()
+    # transformers runs a model under its own gradient checkpointing without a KV cache
+    model._cpctl_cache_off_in_training = checkpointing
     return checkpointing
+
+
+def _refuse_inside(runtime: Runtime, problem: str) -> None:
+    if runtime.cp_active:
+        raise CpctlError(problem)
+
+
+def _takes_attention_interface(model: nn.Module) -> bool:
+    """transformers' own test (5.x): whether set_attn_implementation can switch this model."""
+    can_set = getattr(type(model), "_can_set_attn_implementation", None)
+    return bool(can_set()) if callable(can_set) else True
+
+
+def _sdpa_call_problem(model: nn.Module) -> str | None:
+    """None when a model that takes no attention implementation calls SDPA itself on a plain causal
+    mask, which cpctl then routes; else why cpctl cannot see its attention."""
+    config = model.config
+    if config._attn_implementation != "sdpa":
+        return (f"its attention is {config._attn_implementation!r} and it does not take transformers' "
+                "AttentionInterface; build it with attn_implementation=\"sdpa\"")
+    try:
+        source = inspect.getsource(sys.modules[type(model).__module__])
+    except (KeyError, OSError, TypeError):
+        source = ""
+    if "scaled_dot_product_attention(" not in source:
+        return ("it neither takes transformers' AttentionInterface nor calls scaled_dot_product_attention, "
+                "so cpctl cannot see its attention; run it outside maybe_context_parallel, at cp_size 1")
+    if getattr(config, "alibi", False):
+        return "alibi=True adds position biases to the attention scores, which fused kernels cannot; use rotary (alibi=False)"
+    if getattr(config, "sliding_window", None) or getattr(config, "attention_chunk_size", None) or any(
+            kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return ("its windowed or chunked layers live in masks it hands SDPA itself, which cpctl cannot read; "
+                "only its plain causal attention can be routed")
+    return None
 
 
 def _checkpointing_on(model: nn.Module) -> bool:
@@ -236,16 +295,23 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtim
     for name in ("input_ids", "inputs_embeds", "position_ids", "labels", "shift_labels", "attention_mask"):
         runtime.require_sharded(kwargs.get(name), name=name, seq_dim=1)
     _refuse_padding(runtime, kwargs.get("attention_mask"))
-    kwargs["attention_mask"] = None  # all ones: nothing to mask
     if kwargs.get("use_cache"):
         raise CpctlError("use_cache=True under context parallelism: a KV cache of a shard is no use; pass use_cache=False")
+    reads_documents = kwargs.get("attention_mask") is None and not _builds_cache(model, kwargs)
+    kwargs["attention_mask"] = None  # all ones: nothing to mask
     kwargs["use_cache"] = False
+    if getattr(model, "_cpctl_calls_sdpa", False):
+        if kwargs.get("output_attentions"):
+            raise CpctlError(f"output_attentions=True: {type(model).__name__} then computes attention without SDPA, "
+                             "which cpctl cannot route; leave it out")
+        kwargs["attention_mask"] = MODEL_CAUSAL_MASK  # its SDPA calls read it as the causal mask
+        model._cpctl_calls_before = runtime.attention_calls
     position_ids = kwargs.get("position_ids")
     if position_ids is None:
         # RoPE must see where each token sits in the whole sequence, not in this shard.
         full = torch.arange(local_len * runtime.seq_size, device=tokens.device).expand(batch, -1)
         kwargs["position_ids"] = runtime.shard(full, seq_dim=1)
-    else:
+    elif reads_documents:
         runtime.adopt_position_ids(position_ids)
     has_labels = kwargs.get("labels") is not None
     # A caller's own num_items_in_batch (checked in _loss_arguments) means it normalizes the loss itself.
@@ -253,6 +319,20 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtim
     if has_labels:
         kwargs.update(_loss_arguments(model, kwargs, runtime))
     return (), kwargs
+
+
+def _builds_cache(model: nn.Module, kwargs: dict) -> bool:
+    """Whether transformers, in one process, would run this call with a KV cache. It then reads
+    no packed documents from the position ids (masking_utils looks for them only without a cache
+    and without an attention_mask), so neither does cpctl."""
+    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+        return True
+    use_cache = kwargs.get("use_cache")
+    if use_cache is None:  # transformers' merge_with_config_defaults: the config's value
+        use_cache = getattr(model.config, "use_cache", None)
+    if use_cache and getattr(model, "_cpctl_cache_off_in_training", False) and model.training and torch.is_grad_enabled():
+        return False  # its own gradient checkpointing (which cpctl's replaced) turns the cache off
+    return bool(use_cache)
 
 
 def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
@@ -272,7 +352,7 @@ def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
     if shifted is None:
         shifted = runtime.shift_sharded(kwargs["labels"], ignore_index=IGNORE_INDEX)
     if kwargs.get("num_items_in_batch") is not None:
-        if not runtime.caller_counts_tokens:
+        if runtime.seq_size > 1 and not runtime.caller_counts_tokens:
             raise CpctlError("num_items_in_batch under context parallelism: leave it out, cpctl averages over every "
                              "token of the dp x cp batch (a count made before sharding counts each token once per "
                              "CP rank)")
@@ -287,6 +367,11 @@ def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
 
 
 def _after_forward(model: nn.Module, output: Any, runtime: Runtime):
+    if getattr(model, "_cpctl_calls_sdpa", False) and runtime.cp_active:
+        if runtime.attention_calls == getattr(model, "_cpctl_calls_before", runtime.attention_calls):
+            raise CpctlError(f"{type(model).__name__} computed attention without calling scaled_dot_product_attention "
+                             "under context parallelism, so cpctl could not route it; build it with "
+                             "attn_implementation=\"sdpa\"")
     if not getattr(model, "_cpctl_owns_loss", False) or getattr(output, "loss", None) is None:
         return None
     model._cpctl_owns_loss = False

@@ -65,6 +65,7 @@ class Runtime:
     _balance_logged: bool = False
     _memo: AttentionMemo | None = None  # the checkpointed block whose attention outputs are kept (selective level)
     caller_counts_tokens: bool = False  # inside caller_counts_loss_tokens(): a model may take num_items_in_batch
+    attention_calls: int = 0  # calls of the CP engine so far (a model's attention can be seen to go through it)
 
     # ------------------------------------------------------------------ coordinates
 
@@ -121,16 +122,17 @@ class Runtime:
 
     @property
     def cp_active(self) -> bool:
-        """Inside maybe_context_parallel's routing: cp_size > 1, or packed documents at cp_size 1."""
+        """Inside maybe_context_parallel's routing (at every cp size, 1 included)."""
         return self._cp_active
 
     @property
     def ring_layout(self) -> ChunkLayout:
-        """The chunks each cp rank holds this step: head-tail (or plain), or cost-balanced for packed documents."""
+        """The chunks each cp rank holds this step: head-tail (or plain), or cost-balanced for packed
+        documents. At cp_size 1 one chunk, the whole sequence: there is no other rank to balance against."""
         if self._step_layout is not None:
             return self._step_layout
         return ChunkLayout(cp_size=self.cp_size, cp_rank=self.cp_rank,
-                           load_balance=self.config.parallelism.cp_load_balance)
+                           load_balance=self.config.parallelism.cp_load_balance and self.cp_size > 1)
 
     @property
     def layout(self) -> ChunkLayout:
@@ -179,9 +181,9 @@ class Runtime:
         return model
 
     def _adopt(self, model: nn.Module) -> bool:
-        """A Hugging Face model's attention through cpctl (under CP); whether it is to be checkpointed."""
+        """A Hugging Face model's attention through cpctl (at every cp size); whether it is to be checkpointed."""
         checkpointing = self.config.fsdp.activation_checkpointing
-        if self.seq_size > 1 and huggingface.is_huggingface_model(model):
+        if huggingface.is_huggingface_model(model):
             # Its own gradient checkpointing would recompute outside CP's routing: ours instead.
             checkpointing = huggingface.prepare(model, self) or checkpointing
         return checkpointing
@@ -242,10 +244,15 @@ class Runtime:
         was = self._cp_active, self._documents
         self._cp_active, self._documents = True, documents
         try:
-            with RouteSDPA(self.step_attention, cp_size=self.seq_size):
+            with RouteSDPA(self.step_attention, cp_size=self.seq_size, passes_masks=self._passes_masks):
                 yield
         finally:
             self._cp_active, self._documents = was
+
+    def _passes_masks(self) -> bool:
+        """Whether an SDPA call with a tensor mask may run as it is: at cp_size 1 the mask covers the
+        whole sequence, unless this step's documents would have to be added to it."""
+        return self.seq_size == 1 and self._documents is None
 
     def prepare_dataloader(self, dataset, *, batch_size: int = 1, shuffle: bool = True, collate_fn=None,
                            seed: int = 0, **loader_kwargs) -> torch.utils.data.DataLoader:
@@ -286,9 +293,9 @@ class Runtime:
         per batch row, the start of every packed document; queries see only their own.
         """
         def compute() -> torch.Tensor:
-            if self.seq_size == 1 and window is None and chunk is None and documents is None:
-                return torch.nn.functional.scaled_dot_product_attention(
-                    q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            # cp_size 1 too: the same plan and kernels over a group of one (no collectives), so
+            # windows and documents skip what they hide and no mask is built.
+            self.attention_calls += 1
             if self.sp_size > 1:
                 return ulysses_attention(
                     q, k, v, sp_group=self.axes["sp"].get_group(), cp_group=self.cp_group, ring_layout=self.ring_layout,
@@ -365,7 +372,11 @@ class Runtime:
                                documents: torch.Tensor | None = None) -> Iterator[None]:
         """Shard `buffers` in place along their sequence dims and compute every SDPA call
         across the CP group; on exit restore the buffers not in `no_restore_buffers`.
-        Enter it anew every step. With cp_size and sp_size 1 it does nothing.
+        Enter it anew every step.
+
+        With cp_size and sp_size 1 the shard is the whole sequence (the buffers are left as they
+        are), and attention is computed by the same engine over a group of one: the same masks,
+        plans and kernels as under CP, without collectives.
 
         `documents`: full-length position ids (batch, seq) that restart at each packed
         document (as transformers' DataCollatorWithFlattening makes them): attention stays
@@ -376,26 +387,19 @@ class Runtime:
         if documents is not None and not isinstance(documents, torch.Tensor):
             raise CpctlError("maybe_context_parallel: documents must be a tensor of position ids, "
                              "e.g. cpctl.position_ids_for_documents(lengths)")
-        if self.seq_size == 1:
-            # Nothing to shard, but packed documents must still keep attention inside each one.
-            rows = None if documents is None else packing.documents_or_none(packing.starts_per_row(documents))
-            if rows is None:
-                yield
-                return
-            with self._routing(rows):
-                yield
-            return
-        self._check_same_inputs(buffers if documents is None else [*buffers, documents])
-        self._place(documents, seq_len=buffers[0].shape[buffer_seq_dims[0]] if buffers else 0)
+        if self.seq_size > 1:
+            self._check_same_inputs(buffers if documents is None else [*buffers, documents])
+        self._place(documents, seq_len=buffers[0].shape[buffer_seq_dims[0]] if buffers else None)
         originals = []
         with torch.no_grad():
             # Every shard first (each checks its length), so a bad buffer leaves none half-done.
-            shards = [sharding.shard(b, seq_dim=d, layout=self.layout) for b, d in zip(buffers, buffer_seq_dims)]
+            shards = [self.shard(b, seq_dim=d) for b, d in zip(buffers, buffer_seq_dims)]
             self._seq_lengths = {b.shape[d]: s.shape[d] for b, s, d in zip(buffers, shards, buffer_seq_dims)}
             for buffer, local in zip(buffers, shards):
                 keep = not any(buffer is t for t in no_restore)
-                originals.append(_alias(buffer) if keep else None)
-                buffer.set_(local)
+                originals.append(_alias(buffer) if keep and local is not buffer else None)
+                if local is not buffer:
+                    buffer.set_(local)
         try:
             with self._routing(self._documents):
                 yield
@@ -406,16 +410,17 @@ class Runtime:
                     if original is not None:
                         buffer.set_(original)
 
-    def _place(self, documents: torch.Tensor | None, *, seq_len: int) -> None:
+    def _place(self, documents: torch.Tensor | None, *, seq_len: int | None) -> None:
         """This step's layout and documents: head-tail, or by cost when documents are packed."""
         self._step_layout, self._documents, self.cp_balance = None, None, None
         if documents is None:
             return
-        if documents.shape[-1] != seq_len:
+        if seq_len is not None and documents.shape[-1] != seq_len:
             raise CpctlError(f"maybe_context_parallel: documents has {documents.shape[-1]} positions but the "
                              f"first buffer {seq_len} tokens; pass the full-length position ids")
+        seq_len = documents.shape[-1]
         self._documents = packing.documents_or_none(packing.starts_per_row(documents))
-        if self._documents is None or not self.config.parallelism.cp_load_balance:
+        if self._documents is None or not self.config.parallelism.cp_load_balance or self.cp_size == 1:
             return
         self.layout.check_length(seq_len)
         placed = packing.place(self._documents, seq_len=seq_len, cp_size=self.cp_size, cp_rank=self.cp_rank,

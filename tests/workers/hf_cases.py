@@ -60,7 +60,7 @@ def main() -> None:
         for name, param in model.named_parameters()
     )
     calls_in_step = attention_calls[0]
-    refusals = refused_calls(rt, model, config) if rt.cp_size > 1 else {}  # after the step: they raise mid-forward
+    refusals = refused_calls(rt, model, config)  # after the step: they raise mid-forward
     if rt.is_main:
         with open(sys.argv[1], "w") as f:
             checkpointed = any("checkpoint" in type(m).__name__.lower() for m in model.modules())
@@ -110,6 +110,33 @@ def refused_calls(rt, model, config) -> dict:
         finally:
             model.gradient_checkpointing_disable()
 
+    def falcon(**config_overrides):
+        from transformers import FalconConfig, FalconForCausalLM
+
+        return FalconForCausalLM(FalconConfig(vocab_size=config.vocab_size, hidden_size=32, num_attention_heads=4,
+                                              num_hidden_layers=2, attention_dropout=0.0, hidden_dropout=0.0,
+                                              attn_implementation="sdpa", **config_overrides))
+
+    def falcon_step(model, **call):
+        ids = torch.randint(config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))
+        with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1]):
+            model(input_ids=ids, **call)
+
+    def falcon_alibi():  # refused by prepare_model under CP; at cp 1 inside the context
+        falcon_step(rt.prepare_model(falcon(alibi=True)))
+
+    def falcon_output_attentions():  # Falcon then attends without SDPA
+        falcon_step(rt.prepare_model(falcon()), output_attentions=True)
+
+    def attention_dropout():
+        # refused by prepare_model under CP; at cp 1 the model stays transformers' own outside the
+        # context, and is refused inside it
+        dropping = rt.prepare_model(LlamaForCausalLM(config.__class__(**{**config.to_dict(), "attention_dropout": 0.1})))
+        ids = torch.randint(config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))
+        dropping(input_ids=ids)
+        with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1]):
+            dropping(input_ids=ids)
+
     return {
         "checkpointing_after_prepare": error_of(checkpointing_enabled_late),
         "padding_mask": error_of(lambda: step(attention_mask=padded)),
@@ -118,8 +145,10 @@ def refused_calls(rt, model, config) -> dict:
         # each token once per CP rank
         "num_items_in_batch": error_of(lambda: step(labels=torch.zeros(2, 64, dtype=torch.long), num_items_in_batch=126)),
         "labels_not_in_buffers": error_of(lambda: step(labels=full_labels, _unsharded=full_labels)),
-        "attention_dropout": error_of(lambda: rt.prepare_model(LlamaForCausalLM(config.__class__(
-            **{**config.to_dict(), "attention_dropout": 0.1})))),
+        "attention_dropout": error_of(attention_dropout),
+        # Falcon has no TP plan: under tp > 1 prepare_model refuses it for that
+        **({"falcon_alibi": error_of(falcon_alibi), "falcon_output_attentions": error_of(falcon_output_attentions)}
+           if rt.config.parallelism.tp_size == 1 else {}),
     }
 
 

@@ -3,7 +3,7 @@
     cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 tests/workers/hf_zoo.py OUT.json [ARCH ...]
         [--wrong-positions] [--wrong-labels]
 
-Per architecture, three cases, each two SGD steps on new data, compared with the same model
+Per architecture, six cases, each two SGD steps on new data, compared with the same model
 trained as one process on the full sequence:
 
 * "cp": the README loop (`shift_labels`, `position_ids_like`, `maybe_context_parallel`,
@@ -13,11 +13,20 @@ trained as one process on the full sequence:
   the per-rank losses;
 * "chunked_loss": `rt.causal_lm_loss(model, input_ids=ids, labels=ids)`, the loss from the final
   hidden states and the output embedding, 7 tokens at a time (the model's own logit scale or
-  softcap applied), against the same model's `.loss` in one process.
+  softcap applied), against the same model's `.loss` in one process;
+* "packed": the README loop on rows of packed documents (`PACKED`: position ids restarting,
+  `documents=` given to the context, `use_cache=False`), against transformers in one process on
+  the same rows (it builds the document mask from the position ids);
+* "packed_loss": `model(input_ids=ids, position_ids=pos, labels=ids).loss` on the same packed
+  rows with `use_cache` at the config's default, as transformers computes it in one process
+  (with a KV cache it reads no documents from position ids: attention crosses them);
+* "packed_chunked_loss": `rt.causal_lm_loss(model, input_ids=ids, labels=ids, position_ids=pos)`
+  on the packed rows (without a cache: documents), against `.loss` with `use_cache=False`.
 
 Each case records both sides' losses, the max abs loss difference, the max abs difference of the
 full gradients after step 1, the sequence length the CP model saw (`local_len`, 64 / cp: CP was
-really on), and any exception as one line (one architecture failing does not stop the others).
+really on), how many calls the CP engine made (`engine_calls`: at cp 1 too, attention went
+through it), and any exception as one line (one architecture failing does not stop the others).
 Flags replace the two cases by deliberate mistakes in the README loop, to prove the comparison
 can fail: `--wrong-positions` (case "wrong_positions") feeds local positions `arange(local_len)`,
 `--wrong-labels` (case "wrong_labels") shifts the labels on each shard instead of the full
@@ -27,8 +36,8 @@ Rank 0 writes {arch: {case: {...}}} to OUT.json, rewritten after every architect
 not run yet): a rank failing alone can leave the other inside a collective, which kills the launch
 (or, after ARCH_TIMEOUT, this worker's watchdog does). Errors are also printed at once as
 `zoo-error rankR ARCH/CASE: ...`, and tests/test_hf_zoo.py relaunches the architectures left.
-Under plain `python` the world is one process and every difference must be 0 (debugging the
-reference half). Nothing is downloaded: every model is built from a config.
+Under plain `python` the world is one process at cp 1 (as `--nproc-per-node 1 --cp-size 1`):
+attention still goes through cpctl's engine. Nothing is downloaded: every model is built from a config.
 """
 
 from __future__ import annotations
@@ -61,6 +70,10 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attent
               max_position_embeddings=256, attention_dropout=0.0, tie_word_embeddings=False, initializer_range=0.1,
               bos_token_id=1, eos_token_id=2, pad_token_id=0, attn_implementation="sdpa")
 MIXED = ["sliding_attention", "full_attention"]
+# Documents per row (each row adds up to SEQ): longer than the window and the attention chunk,
+# one-token documents, and boundaries that cut through the chunks cp 2 shards by.
+PACKED = [[5, 1, 30, 20, 8], [40, 1, 23]]
+PACKED_CASES = ("packed", "packed_loss", "packed_chunked_loss")
 
 
 def _llama() -> nn.Module:
@@ -162,11 +175,18 @@ def _glm4() -> nn.Module:  # partial rotary 0.5 (interleaved), extra post norms
     return hf.Glm4ForCausalLM(hf.Glm4Config(**COMMON, num_hidden_layers=2, head_dim=8))
 
 
+def _falcon() -> nn.Module:  # no AttentionInterface: calls SDPA itself; multi-query (one K/V head), parallel attention
+    return hf.FalconForCausalLM(hf.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_attention_heads=4, num_hidden_layers=2, max_position_embeddings=256,
+        attention_dropout=0.0, hidden_dropout=0.0, initializer_range=0.1, bos_token_id=1, eos_token_id=2,
+        pad_token_id=0, attn_implementation="sdpa"))
+
+
 ARCHS: dict[str, Callable[[], nn.Module]] = {
     "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
     "gemma3": _gemma3, "gemma2": _gemma2, "cohere2": _cohere2, "llama4": _llama4, "deepseek_v3": _deepseek_v3,
     "mixtral": _mixtral, "phi3": _phi3, "stablelm": _stablelm, "gpt_neox": _gpt_neox, "olmo2": _olmo2,
-    "granite": _granite, "smollm3": _smollm3, "glm4": _glm4,
+    "granite": _granite, "smollm3": _smollm3, "glm4": _glm4, "falcon": _falcon,
 }
 
 
@@ -181,9 +201,22 @@ def full_grad(param: nn.Parameter) -> torch.Tensor:
     return (grad.full_tensor() if hasattr(grad, "full_tensor") else grad).detach().cpu()
 
 
+def packed_positions(device: torch.device) -> torch.Tensor:
+    return cpctl.position_ids_for_documents(PACKED, device=device)
+
+
 def reference_loss(model: nn.Module, ids: torch.Tensor, case: str) -> torch.Tensor:
     if case in ("hf_loss", "chunked_loss"):
         return model(input_ids=ids, labels=ids.clone(), use_cache=False).loss
+    if case == "packed_loss":  # use_cache left to the config (True): transformers then reads no documents
+        return model(input_ids=ids, position_ids=packed_positions(ids.device), labels=ids.clone()).loss
+    if case == "packed_chunked_loss":
+        return model(input_ids=ids, position_ids=packed_positions(ids.device), labels=ids.clone(), use_cache=False).loss
+    if case == "packed":
+        pos = packed_positions(ids.device)
+        labels = cpctl.shift_labels(ids, position_ids=pos)
+        logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100)
     labels = cpctl.shift_labels(ids)
     logits = model(input_ids=ids, position_ids=cpctl.position_ids_like(ids), use_cache=False).logits
     loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
@@ -192,6 +225,8 @@ def reference_loss(model: nn.Module, ids: torch.Tensor, case: str) -> torch.Tens
 
 def cp_loss(rt: cpctl.Runtime, model: nn.Module, ids: torch.Tensor, case: str) -> tuple[float, int]:
     """One CP forward + backward: the loss every rank agrees on, and the sequence length the model saw."""
+    if case in PACKED_CASES:
+        return packed_cp_loss(rt, model, ids, case)
     if case == "chunked_loss":
         raw = ids.clone()
         with rt.maybe_context_parallel(buffers=[ids, raw], buffer_seq_dims=[1, 1], no_restore_buffers={ids, raw}):
@@ -224,6 +259,27 @@ def cp_loss(rt: cpctl.Runtime, model: nn.Module, ids: torch.Tensor, case: str) -
     return loss.item(), logits.shape[1]
 
 
+def packed_cp_loss(rt: cpctl.Runtime, model: nn.Module, ids: torch.Tensor, case: str) -> tuple[float, int]:
+    full_pos = packed_positions(ids.device)
+    pos, raw = full_pos.clone(), ids.clone()
+    labels = cpctl.shift_labels(ids, position_ids=full_pos)
+    buffers = [ids, raw, pos, labels]
+    documents = {"documents": full_pos} if case == "packed" else {}
+    with rt.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * 4, no_restore_buffers=set(buffers),
+                                   **documents):
+        if case == "packed":
+            logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+            loss_sum = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                       reduction="sum")
+            loss = rt.token_mean(loss_sum, labels)
+        elif case == "packed_chunked_loss":
+            loss = rt.causal_lm_loss(model, input_ids=ids, labels=raw, position_ids=pos)
+        else:  # packed_loss: .loss, use_cache at the config's default
+            loss = model(input_ids=ids, position_ids=pos, labels=raw).loss
+        loss.backward()
+    return loss.item(), ids.shape[1]
+
+
 def run_case(rt: cpctl.Runtime, name: str, base: nn.Module, case: str) -> dict:
     result: dict = {"losses_ref": [], "losses_cp": [], "loss_diff": None, "grad_diff": None, "error": None}
     try:
@@ -236,7 +292,9 @@ def run_case(rt: cpctl.Runtime, name: str, base: nn.Module, case: str) -> dict:
             loss = reference_loss(reference, ids.clone().cpu(), case)
             loss.backward()
             result["losses_ref"].append(loss.item())
+            calls = rt.attention_calls
             value, result["local_len"] = cp_loss(rt, model, ids.clone(), case)
+            result["engine_calls"] = rt.attention_calls - calls
             result["losses_cp"].append(value)
             if step == 0:
                 ref_grads = {n: full_grad(p) for n, p in reference.named_parameters()}
@@ -277,7 +335,7 @@ def main() -> None:
                 json.dump(results, f, indent=1)
 
     save()
-    cases = tuple(MISTAKES[f] for f in flags) or ("cp", "hf_loss", "chunked_loss")
+    cases = tuple(MISTAKES[f] for f in flags) or ("cp", "hf_loss", "chunked_loss", *PACKED_CASES)
     for name in names:
         start = time.perf_counter()
         # A rank that fails alone leaves the other inside a collective: gloo then aborts or waits for

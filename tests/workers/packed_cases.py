@@ -32,6 +32,8 @@ PACKINGS = {  # lengths per row; every row adds up to SEQ
     "many_short": [[4] * 16, [2] * 32],
     "spanning_ranks": [[15, 2, 30, 17], [17, 31, 16]],
 }
+# At cp 1 only: a row of odd length (59 tokens), which no CP size > 1 can divide; one process needs no padding.
+ODD_PACKING = {"odd_length": [[5, 1, 20, 33], [40, 19]]}
 
 
 def logits_of(model, ids, pos, *, hf: bool):
@@ -81,9 +83,9 @@ def build(kind: str):
 
 def run(rt, kind: str, packing: str, *, documents_arg: bool, leak: bool = False, per_document: bool = False) -> dict:
     hf = kind == "hf"
-    lengths = PACKINGS[packing]
     reference = build(kind)
-    ids_full = torch.randint(128, (2, SEQ), generator=torch.Generator().manual_seed(7))
+    lengths = {**PACKINGS, **ODD_PACKING}[packing]
+    ids_full = torch.randint(128, (2, sum(lengths[0])), generator=torch.Generator().manual_seed(7))
     pos_full = cpctl.position_ids_for_documents(lengths)
     labels_full = cpctl.shift_labels(ids_full, position_ids=pos_full)
 
@@ -126,7 +128,7 @@ def main() -> None:
     rt = cpctl.init()
     results = {}
     for kind in ("example", "hf"):
-        for packing in PACKINGS:
+        for packing in [*PACKINGS, *(ODD_PACKING if rt.cp_size == 1 else ())]:
             for documents_arg in ((True, False) if kind == "hf" else (True,)):
                 name = f"{kind}/{packing}/{'documents' if documents_arg else 'positions'}"
                 results[name] = run(rt, kind, packing, documents_arg=documents_arg)

@@ -1,7 +1,7 @@
 """Worker for tests/test_runtime.py: the runtime API (docs/runtime.md), measured in real processes.
 
     cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 tests/workers/runtime_cases.py OUT.json
-    python tests/workers/runtime_cases.py OUT.json        # a world of one: cp 1, everything a no-op
+    python tests/workers/runtime_cases.py OUT.json        # a world of one: cp 1, nothing sharded
 
 Every rank runs every case (cases use collectives, so all ranks must take the same path); a case
 records plain numbers and messages, or the traceback it died with, and the next case still runs.
@@ -363,23 +363,35 @@ def case_multihead_attention(rt: Runtime) -> dict:
     return results
 
 
-def case_single_process_noop(rt: Runtime) -> dict:
-    """World of one: the context shards nothing, routes nothing; shard/unshard are identities."""
-    ids = torch.arange(6).view(1, 6)  # 6 is no multiple of 4: nothing to divide with cp 1
+def case_single_process(rt: Runtime) -> dict:
+    """World of one (cp 1): the context shards nothing (the shard is the whole sequence), and
+    attention inside it goes through the CP engine over a group of one."""
+    ids = torch.arange(7).view(1, 7)  # 7 is odd: there is nothing to divide at cp 1
     storage = ids.untyped_storage().data_ptr()
-    q, k, v = (randn(seed, 1, 2, 6, 8) for seed in (80, 81, 82))
-    window = torch.ones(6, 6, dtype=torch.bool).tril().triu(-1)  # a mask CP would reject
+    q, k, v = (randn(seed, 1, 2, 7, 8) for seed in (80, 81, 82))
+    window = torch.ones(7, 7, dtype=torch.bool).tril().triu(-1)  # a mask CP would reject
     outside = F.scaled_dot_product_attention(q, k, v, attn_mask=window)
+    causal_outside = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    calls = rt.attention_calls
     with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={ids}):
         inside_ids = ids.tolist()
-        inside = F.scaled_dot_product_attention(q, k, v, attn_mask=window)
-        loss = rt.token_mean(torch.tensor(12.0), torch.tensor([[1, 2, -100, 3]]))
+        inside = F.scaled_dot_product_attention(q, k, v, attn_mask=window)  # runs as it is: nothing sharded
+        causal_inside = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # through the engine
+        loss = rt.token_mean(torch.tensor(20.0), torch.tensor([[1, 2, -100, 3, 4, 5, -100]]))
+    engine_calls = rt.attention_calls - calls
+    documents = cpctl.position_ids_for_documents([[3, 4]])
+    with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1], documents=documents):
+        packed = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        masked_with_documents = error_of(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=window))
+    one_by_one = torch.cat([F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True)
+                            for a, b in ((0, 3), (3, 7))], dim=2)
     return {
         "inside_ids": inside_ids, "same_storage": ids.untyped_storage().data_ptr() == storage,
         "masked_sdpa_error": max_err(inside, outside), "token_mean": loss.item(),
+        "causal_sdpa_error": max_err(causal_inside, causal_outside), "engine_calls": engine_calls,
+        "documents_error": max_err(packed, one_by_one), "masked_with_documents": masked_with_documents,
         "shard_is_identity": rt.shard(q, 2) is q, "unshard_is_identity": rt.unshard(q, 2) is q,
-        "attention_error": max_err(rt.attention(q, k, v, is_causal=True),
-                                   F.scaled_dot_product_attention(q, k, v, is_causal=True)),
+        "attention_error": max_err(rt.attention(q, k, v, is_causal=True), causal_outside),
     }
 
 
@@ -435,7 +447,7 @@ def case_misuse_single(rt: Runtime) -> dict:
 CP_CASES = [case_attributes, case_bad_inputs, case_causal_mask_accepted, case_buffers, case_shard_unshard,
             case_functional_attention, case_model_in_context, case_token_mean, case_fsdp_gradients,
             case_two_groups, case_dataloader, case_multihead_attention, case_misuse]
-SINGLE_CASES = [case_attributes, case_single_process_noop, case_shard_unshard, case_token_mean, case_misuse_single]
+SINGLE_CASES = [case_attributes, case_single_process, case_shard_unshard, case_token_mean, case_misuse_single]
 
 
 def main() -> None:
