@@ -1,4 +1,7 @@
-"""Shared fixtures. `isolated` gives a test its own cwd and a clean cpctl environment."""
+"""Shared fixtures (`isolated` gives a test its own cwd and a clean cpctl environment) and the
+test tiers: `pytest` runs the quick tier (every pure and in-process test, and one real launch
+per capability); `pytest --full` adds the tests marked `full` (the rest of the launch matrices),
+as CI does."""
 
 from __future__ import annotations
 
@@ -25,3 +28,17 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     work.mkdir()
     monkeypatch.chdir(work)
     return work
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true",
+                     help="the full tier (what CI runs): every multi-process launch of the matrices, not one per capability")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--full"):
+        return
+    quick = [item for item in items if item.get_closest_marker("full") is None]
+    if len(quick) < len(items):
+        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full") is not None])
+        items[:] = quick
