@@ -122,6 +122,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--cp-load-balance", "--fsdp-version", "--reshard-after-forward", "--mixed-precision",
         "--activation-checkpointing", "--attention", "--device", "--nnodes", "--nproc-per-node",
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
+        "--selective-blocks",
         "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine",
     }
     own = {

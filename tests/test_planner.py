@@ -161,15 +161,26 @@ def test_the_selective_level_keeps_attention_tensors_per_layer() -> None:
         available=planner.available_options())]
 
 
-def test_offloaded_blocks_take_power_of_two_pinned_host_memory() -> None:
-    # The Llama-3.2-3B shape at 384k was killed for host memory on a 128 GiB machine: each
-    # block input (2.25 GiB) takes a 4 GiB pinned block, 112 GiB for 28 layers.
-    three = planner.estimate(PRESETS["llama-3.2-3b"], ALL_OPTIONS, 384 * K)
-    assert three.host_bytes == 28 * 4 * 2**30 and three.fits
-    assert planner.estimate(PRESETS["1b"], ALL_OPTIONS, 768 * K).host_bytes == 16 * 4 * 2**30
-    assert planner.estimate(PRESETS["1b"], CHUNKED, 768 * K).host_bytes == 0
-    offloaded = planner.estimate(PRESETS["1b"], dataclasses.replace(AC, cpu_offload=True), 32 * K)
-    assert offloaded.host_bytes == pytest.approx(16 * PRESETS["1b"].params)
+def test_offloaded_activations_take_host_memory_at_their_exact_size() -> None:
+    # The Llama-3.2-3B shape at 384k was killed for host memory on a 128 GiB machine when PyTorch's
+    # pinned allocator rounded each 2.25 GiB block input up to 4 GiB (112 GiB for 28 layers).
+    # cpctl's arena takes each tensor at its size (tests/test_offload.py: the planner's count to
+    # the byte on CPU): the block inputs, then the final norm's tensors and the ids.
+    model, tokens = PRESETS["llama-3.2-3b"], 384 * K
+    three = planner.estimate(model, ALL_OPTIONS, tokens)
+    block_inputs = 28 * 2 * model.dim * tokens
+    assert block_inputs == 28 * 2.25 * 2**30 and three.fits
+    head = (4 * model.dim + 2 * model.dim + 4 + 16) * tokens  # fp32 norm input, normalized output, 1/rms, ids
+    assert three.host_bytes == block_inputs + head
+    one = PRESETS["1b"]
+    assert planner.estimate(one, ALL_OPTIONS, 768 * K).host_bytes == (16 * 2 + 6) * one.dim * 768 * K + 20 * 768 * K
+    assert planner.estimate(one, CHUNKED, 768 * K).host_bytes == 0
+    # with the selective level each block's attention tensors go too
+    selective = planner.estimate(one, dataclasses.replace(ALL_OPTIONS, checkpoint_level="selective"), 768 * K)
+    kept = 2 * (2 * one.q_dim + 2 * one.kv_dim) + 4 * one.n_heads
+    assert selective.host_bytes == planner.estimate(one, ALL_OPTIONS, 768 * K).host_bytes + 16 * kept * 768 * K
+    offloaded = planner.estimate(one, dataclasses.replace(AC, cpu_offload=True), 32 * K)
+    assert offloaded.host_bytes == pytest.approx(16 * one.params)
 
 
 def test_advice_when_it_does_not_fit() -> None:

@@ -36,6 +36,8 @@ def _options_to_try(setup: Setup, *, available: frozenset[str]) -> list[tuple[st
         options.append(("--reshard-after-forward true", {"reshard_after_forward": True}, False))
     if setup.cp > 1 and setup.strategy == "allgather":
         options.append(("--cp-comm-strategy alltoall", {"strategy": "alltoall"}, False))
+    if "selective_blocks" in available and setup.activation_checkpointing and setup.checkpoint_level == "selective":
+        options.append(("--checkpoint-level mixed", {"checkpoint_level": "mixed", "selective_blocks": None}, False))
     if "checkpoint_level" in available and setup.activation_checkpointing and setup.checkpoint_level != "full":
         options.append(("--checkpoint-level full (slower)", {"checkpoint_level": "full"}, True))
     if "tiled_mlp_tokens" in available and not setup.tiled_mlp_tokens:
@@ -61,6 +63,10 @@ def suggestions(base: Estimate, *, available: frozenset[str] = frozenset()) -> l
     slow: dict[str, Any] = {}
     for what, changes, is_slow in _options_to_try(setup, available=available):
         alone = trying(changes)
+        if changes.get("checkpoint_level") == "mixed":  # say the count it chose
+            if not alone.setup.selective_blocks:
+                continue  # none fit: that is the full level, offered below
+            what += f" (selective for the last {alone.setup.selective_blocks} of {model.n_layers} blocks)"
         if alone.needed < base.needed - 0.05 * GiB:
             found.append(Suggestion(what, changes, alone))
             (slow if is_slow else cheap).update(changes)
@@ -83,5 +89,6 @@ def suggestions(base: Estimate, *, available: frozenset[str] = frozenset()) -> l
 def option_names(changes: Mapping[str, Any]) -> list[str]:
     names = {"activation_checkpointing": "checkpointing", "chunked_loss": "chunked loss",
              "reshard_after_forward": "resharding", "strategy": "alltoall", "tiled_mlp_tokens": "tiled MLP",
-             "offload_activations": "activation offload", "cpu_offload": "CPU offload"}
-    return [names.get(name, name) for name in changes]
+             "offload_activations": "activation offload", "cpu_offload": "CPU offload",
+             "checkpoint_level": "mixed checkpointing"}
+    return [names.get(name, name) for name in changes if name != "selective_blocks"]

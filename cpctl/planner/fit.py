@@ -91,11 +91,34 @@ class Estimate:
 
 
 def estimate(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB) -> Estimate:
-    """The memory per GPU of one training step of `model` on `seq_len`-token sequences."""
+    """The memory per GPU of one training step of `model` on `seq_len`-token sequences.
+
+    Under checkpoint_level mixed without a count, the count is chosen here: the most selective
+    blocks that fit (`estimate(...).setup.selective_blocks` is the count chosen)."""
     if seq_len < 1:
         raise CpctlError(f"sequence length must be at least 1 token, got {seq_len}")
+    if setup.activation_checkpointing and setup.checkpoint_level == "mixed" and setup.selective_blocks is None:
+        return most_selective_blocks(model, setup, seq_len, gpu_memory_gib=gpu_memory_gib)
     sizes = Sizes(model, setup, seq_len)
     return Estimate(model, setup, seq_len, gpu_memory_gib, tuple(term(sizes) for term in TERMS))
+
+
+def most_selective_blocks(model: ModelShape, setup: Setup, seq_len: int, *,
+                          gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB) -> Estimate:
+    """The estimate with the most selective blocks (the last ones) that fit, the others fully
+    recomputed; with none (full checkpointing) when not even that fits."""
+
+    def with_count(count: int) -> Estimate:
+        chosen = dataclasses.replace(setup, checkpoint_level="mixed", selective_blocks=count)
+        return estimate(model, chosen, seq_len, gpu_memory_gib=gpu_memory_gib)
+
+    low, high = 0, model.n_layers  # memory grows with the count: find the largest that fits
+    if with_count(high).fits:
+        return with_count(high)
+    while high - low > 1:  # with_count(high) does not fit; low fits, or is 0
+        middle = (low + high) // 2
+        low, high = (middle, high) if with_count(middle).fits else (low, middle)
+    return with_count(low)
 
 
 def peak_gib(model: ModelShape, setup: Setup, seq_len: int) -> float:

@@ -23,7 +23,8 @@ class Setup:
     strategy: str = "allgather"
     precision: str = "bf16"  # bf16 | fp16 | no
     activation_checkpointing: bool = True
-    checkpoint_level: str = "full"  # selective: attention's saved tensors are kept, not recomputed
+    checkpoint_level: str = "full"  # selective: attention's saved tensors are kept, not recomputed; mixed: a mix
+    selective_blocks: int | None = None  # under mixed: how many blocks (the last ones) are selective; None: as fit
     reshard_after_forward: bool = True
     chunked_loss: bool = False
     loss_chunk_tokens: int = 4096
@@ -43,6 +44,7 @@ class Setup:
             precision=profile.fsdp.mixed_precision, activation_checkpointing=profile.fsdp.activation_checkpointing,
             reshard_after_forward=profile.fsdp.reshard_after_forward, chunked_loss=chunked_loss,
             checkpoint_level=getattr(memory, "checkpoint_level", "full"),
+            selective_blocks=_count_or_none(getattr(memory, "selective_blocks", None)),
             loss_chunk_tokens=memory.loss_chunk_tokens, tiled_mlp_tokens=getattr(memory, "tiled_mlp_tokens", 0),
             offload_activations=getattr(memory, "offload_activations", False),
             cpu_offload=getattr(memory, "cpu_offload", False), batch=batch,
@@ -59,7 +61,7 @@ class Setup:
                       if self.gpus > self.cp * self.dp_shard * self.tp else ""),
                    self.strategy if self.cp > 1 else "no CP",
                    {"no": "fp32"}.get(self.precision, self.precision),
-                   f"activation checkpointing {'off' if not self.activation_checkpointing else 'on' if self.checkpoint_level == 'full' else self.checkpoint_level}",
+                   f"activation checkpointing {self._checkpointing()}",
                    f"loss chunked ({self.loss_chunk_tokens} tokens)" if self.chunked_loss else "full logits in the loss"]
         if not self.reshard_after_forward:
             options.append("blocks stay gathered after forward")
@@ -71,8 +73,20 @@ class Setup:
             options.append("parameters and optimizer on CPU")
         return ", ".join(options)
 
+    def _checkpointing(self) -> str:
+        if not self.activation_checkpointing:
+            return "off"
+        if self.checkpoint_level == "mixed":
+            count = "as many as fit" if self.selective_blocks is None else f"the last {self.selective_blocks}"
+            return f"selective for {count} blocks, full for the rest"
+        return "on" if self.checkpoint_level == "full" else self.checkpoint_level
 
-MEMORY_OPTIONS = ("checkpoint_level", "tiled_mlp_tokens", "offload_activations", "cpu_offload")  # read where the profile has them
+
+def _count_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+MEMORY_OPTIONS = ("checkpoint_level", "selective_blocks", "tiled_mlp_tokens", "offload_activations", "cpu_offload")  # read where the profile has them
 
 
 def available_options() -> frozenset[str]:
