@@ -347,8 +347,10 @@ def test_launch_hands_torchrun_its_own_parsed_args(script: Path, torchrun: Torch
     result = cpctl("launch", "--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "train.py", "--lr", "1e-3", "-x")
     assert result.exit_code == 0, result.output
     [(args, environ)] = torchrun.calls
-    assert (args.nnodes, args.nproc_per_node, args.max_restarts, args.standalone) == ("1", "2", 0, True)
-    assert (args.rdzv_backend, args.tee, args.module) == ("static", "3", False)  # run() turns --standalone into c10d
+    # torchrun's --standalone, with its stores on 127.0.0.1 (cpctl.launch.loopback)
+    assert (args.nnodes, args.nproc_per_node, args.max_restarts, args.standalone) == ("1", "2", 0, False)
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.local_addr) == ("cpctl-loopback", "127.0.0.1:0", "127.0.0.1")
+    assert (args.tee, args.module) == ("3", False)
     assert (args.training_script, args.training_script_args) == ("train.py", ["--lr", "1e-3", "-x"])
     sent = json.loads(environ[PROFILE_ENV_VAR])
     assert sent["parallelism"] | {} == {"dp_replicate_size": 1, "dp_shard_size": 1, "cp_size": 2, "tp_size": 1,

@@ -4,6 +4,8 @@ workers die with a SIGKILLed launcher."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
 import signal
@@ -76,13 +78,41 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path: Path
     assert "error: rank 0:" in stderr and "rank 1 stopped answering" in stderr, stderr
 
 
-def test_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses of the TCP sockets process `pid` listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address = bytes.fromhex(fields[1].split(":")[0])
+                if table == "tcp":
+                    found.append(str(ipaddress.IPv4Address(address[::-1])))
+                else:  # four 32-bit words, each in host (little-endian) order
+                    words = b"".join(address[i:i + 4][::-1] for i in range(0, 16, 4))
+                    found.append(str(ipaddress.IPv6Address(words)))
+    return found
+
+
+def test_the_stores_listen_on_loopback_and_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
     proc = cpctl("--device", "cpu", "--nproc-per-node", "2", str(WORKER), "sleep", str(tmp_path), tmp_path=tmp_path)
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
     assert len(pids) == 2, "the workers did not start"
+    # the launcher hosts the rendezvous store and the workers' store: loopback only, never *:PORT
+    listening = listening_addresses(proc.pid)
+    assert len(listening) >= 2 and all(ipaddress.ip_address(a).is_loopback for a in listening), listening
+    for pid in pids:
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        assert environ["MASTER_ADDR"] == "127.0.0.1"
     proc.kill()  # SIGKILL: no handler runs in the launcher
     proc.communicate()
     deadline = time.monotonic() + 15

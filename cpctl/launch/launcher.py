@@ -36,6 +36,7 @@ from pathlib import Path
 from cpctl.config import PROFILE_ENV_VAR, Profile, Resolved
 from cpctl.errors import ERROR_DIR_ENV_VAR, REPORT_KEY, CpctlError
 from cpctl import versions
+from cpctl.launch import loopback
 from cpctl.launch.accelerate_env import accelerate_env
 
 # torchrun reads the per-line prefix template of tee'd worker output from this variable.
@@ -186,7 +187,7 @@ def _run_torchrun(argv: list[str], *, nnodes: int = 1) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    args = torchrun.get_args_parser().parse_args(argv)
+    args = torchrun.get_args_parser().parse_args(loopback.rendezvous_argv(argv))
     watch = _RendezvousWatch(args, nnodes=nnodes) if nnodes > 1 else contextlib.nullcontext()
     try:
         with _quiet_worker_failures(), watch:

@@ -187,6 +187,9 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None) -> N
     out.print()
     out.print("[bold]Worker command[/] (what cpctl launch runs, as a shell line):")
     out.print(plan.command_line(), markup=False, highlight=False, soft_wrap=True)
+    if "--standalone" in plan.torchrun_args:
+        out.print("[dim]cpctl launch binds the rendezvous stores of --standalone to 127.0.0.1 only; plain torchrun "
+                  "listens on every interface.[/]", soft_wrap=True)
     out.print(
         f"[dim]The resolved profile reaches every worker as JSON in {PROFILE_ENV_VAR}; "
         "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.[/]",
