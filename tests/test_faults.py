@@ -8,6 +8,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,8 @@ from pathlib import Path
 
 import pytest
 from launching import REPO, cpctl, finish, launch_env
+
+from cpctl.launch import failures
 
 SCRIPT = REPO / "scripts" / "train_llama.py"
 WORKER = REPO / "tests" / "workers" / "fault_worker.py"
@@ -133,3 +136,38 @@ def test_a_launch_leaves_nothing_in_the_temp_dir(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     left = [p.name for p in temp.iterdir() if p.name.startswith(("torchelastic_", "cpctl-"))]
     assert left == []  # (torch's own inductor cache, shared by every run, may be there)
+
+
+def test_a_worker_killed_by_signal_9_is_named_and_told_apart_from_the_oom_killer(tmp_path: Path) -> None:
+    proc = cpctl("--device", "cpu", "--nproc-per-node", "2", str(WORKER), "sleep", str(tmp_path), tmp_path=tmp_path)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(list(tmp_path.glob("pid*"))) == 2, "the workers did not start"
+    time.sleep(1.5)  # the launcher samples each worker's memory once a second
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+    code, stdout, stderr = finish(proc)
+    assert code == 128 + signal.SIGKILL, stdout + stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert "worker rank 1" in line and "was killed by SIGKILL (signal 9)" in line, line
+    assert re.search(r"it held \d+\.\d GiB", line), line
+    if failures.oom_kills() is not None:  # this machine counts OOM kills: it knows this was not one
+        assert "not by this machine's out-of-memory killer" in line, line
+
+
+@pytest.mark.parametrize(("oom", "offload", "expected", "absent"), [
+    (True, ["memory.offload_activations: true"],
+     ["SIGKILL (signal 9) from the kernel's out-of-memory killer: host memory ran out (it held 98.0 GiB of this "
+      "machine's 125.0 GiB)", "memory.offload_activations: true keeps tensors in host memory",
+      "`cpctl plan --model ... --seq-len ... --host-memory 125` shows what a step needs", "turn the offload off"], []),
+    (True, [], ["out-of-memory killer", "fewer processes per machine"], ["keeps tensors"]),
+    (False, [], ["not by this machine's out-of-memory killer", "another process or a scheduler"], ["host memory ran"]),
+    (None, [], ["see dmesg"], ["not by"]),
+])
+def test_how_a_sigkill_is_named(oom, offload, expected, absent) -> None:
+    text = failures.describe_kill("SIGKILL", oom=oom, resident=98 * 2**30, host=125 * 2**30, offload=offload)
+    for fragment in expected:
+        assert fragment in text, text
+    for fragment in absent:
+        assert fragment not in text, text
+    assert failures.describe_kill("SIGTERM", oom=True, resident=None, host=None, offload=[]) == "SIGTERM (signal 15)"
