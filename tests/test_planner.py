@@ -361,3 +361,34 @@ def test_the_planner_does_not_import_torch(args: list[str]) -> None:
                           timeout=60, env=os.environ | {"PYTHONPATH": str(REPO)})
     assert proc.returncode == 0, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == "TORCH=False", proc.stderr
+
+
+@pytest.mark.usefixtures("isolated")
+def test_plan_checks_host_memory_for_the_offload_options() -> None:
+    args = ["plan", "--model", "llama-3.2-3b", "--seq-len", "512k", "--device", "cuda", "--nproc-per-node", "1",
+            "--activation-checkpointing", "true", "--chunked-loss", "--tiled-mlp-tokens", "8192",
+            "--offload-activations", "true"]
+    roomy = json.loads(cpctl(*args, "--host-memory", "125", "--json").stdout)["estimate"]
+    # 28 block inputs of 512k x 3072 bf16 (84 GiB) and the final norm's tensors, at their exact size
+    assert roomy["host_gib"] == pytest.approx(93.0, abs=0.1) and roomy["fits_gpu"] and roomy["fits_host"]
+    assert roomy["host_needed_gib"] == pytest.approx(roomy["host_gib"] + planner.WORKER_HOST_GIB, abs=1e-3)
+    tight = cpctl(*args, "--host-memory", "64")
+    assert tight.exit_code == 0, tight.output
+    assert "does not fit: host memory" in tight.stdout and "of 64.0 GiB" in tight.stdout
+    assert "--offload-activations false" in tight.stdout  # what to turn down, with what it needs of the GPU
+    plan = json.loads(cpctl(*args, "--host-memory", "64", "--json").stdout)
+    assert plan["estimate"]["fits"] is False and plan["estimate"]["fits_gpu"] is True
+    turned_off = {s["what"]: s for s in plan["suggestions"]}["--offload-activations false (the activations on the GPU)"]
+    assert turned_off["fits"] is False  # on the GPU the 3B shape's 512k do not fit either
+    # the longest sequence that fits counts host memory too: less of it, shorter
+    assert plan["longest"][0]["seq_len"] < json.loads(cpctl(*args, "--host-memory", "125", "--json").stdout)["longest"][0]["seq_len"]
+
+
+@pytest.mark.usefixtures("isolated")
+def test_plan_checks_host_memory_of_this_machine_by_default() -> None:
+    from cpctl.launch.failures import machine_host_memory_gib
+
+    result = cpctl("plan", "--model", "1b", "--seq-len", "128k", "--device", "cuda", "--nproc-per-node", "1",
+                   "--activation-checkpointing", "true", "--offload-activations", "true", "--json")
+    assert json.loads(result.stdout)["estimate"]["host_memory_gib"] == pytest.approx(machine_host_memory_gib())
+    one_line_error(cpctl("plan", "--model", "1b", "--seq-len", "1k", "--host-memory", "none"), "--host-memory none")

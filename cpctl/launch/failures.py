@@ -60,6 +60,27 @@ def host_memory_bytes() -> int | None:
     return None if value is None else value * 1024
 
 
+def machine_host_memory_gib() -> float | None:
+    """This machine's memory for `cpctl plan`: MemTotal, or a smaller cgroup limit (a container's)."""
+    total = host_memory_bytes()
+    limit = _cgroup_limit()
+    found = [value for value in (total, limit) if value]
+    return min(found) / GiB if found else None
+
+
+def _cgroup_limit() -> int | None:
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                text = (Path(f"/sys/fs/cgroup{path}") / "memory.max").read_text().strip()
+                return None if text == "max" else int(text)
+            if "memory" in controllers.split(","):
+                value = int((Path(f"/sys/fs/cgroup/memory{path}") / "memory.limit_in_bytes").read_text())
+                return value if value < 2**60 else None  # v1's "unlimited" is a huge number
+    return None
+
+
 def _field_kib(path: Path, name: str) -> int | None:
     with contextlib.suppress(OSError, ValueError):
         for line in path.read_text().splitlines():

@@ -73,25 +73,35 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
              ("+ CUDA/NCCL overhead", estimate.overhead, "CUDA context, workspaces, NCCL")]
     for name, value, how in extra:
         table.add_row(name, *[cell(value) if at_peak[m] else "" for m, _ in columns], how)
-    verdict = "[green]fits[/]" if estimate.fits else "[bold red]does not fit[/]"
+    verdict = "[green]fits[/]" if estimate.fits_gpu else "[bold red]does not fit[/]"
     table.add_row("[bold]needed[/]", *[f"[bold]{cell(estimate.needed)}[/]" if at_peak[m] else "" for m, _ in columns],
                   f"of {estimate.gpu_memory_gib:g} GiB: {verdict}")
     out.print(table)
     if estimate.host_bytes:
-        out.print(f"pinned host memory per GPU: {estimate.host_bytes / gib:.1f} GiB (offloaded blocks, each rounded up "
-                  "to a power of two by PyTorch's pinned allocator; keep it well below the machine's RAM / GPUs)",
-                  soft_wrap=True)
+        per_machine = setup.gpus_per_node
+        gpus = f"{per_machine} GPU{'s' if per_machine > 1 else ''} x " if per_machine > 1 else ""
+        line = (f"host memory per machine: {gpus}({estimate.host_bytes / gib:.1f} GiB offloaded at its exact size + "
+                f"~{planner.WORKER_HOST_GIB:g} GiB a worker) = {estimate.host_needed / gib:.1f} GiB")
+        if estimate.host_memory_gib is not None:
+            verdict = "[green]fits[/]" if estimate.fits_host else "[bold red]does not fit: host memory[/]"
+            line += f" of {estimate.host_memory_gib:.1f} GiB: {verdict}"
+        out.print(line, soft_wrap=True)
 
     if result.suggestions:
         out.print()
-        out.print(f"[bold]To fit {seq} tokens[/] (GiB needed per GPU):")
+        memory = "GPU and host memory" if not estimate.fits_host else "GiB needed per GPU"
+        out.print(f"[bold]To fit {seq} tokens[/] ({memory}):")
         advice = Table(show_edge=False, show_header=False, box=None, padding=(0, 2))
         advice.add_column()
         advice.add_column(justify="right")
+        advice.add_column(justify="right")
         advice.add_column()
         for item in result.suggestions:
-            advice.add_row(escape(item.what), f"{item.estimate.needed / gib:.1f} GiB",
-                           "[green]fits[/]" if item.estimate.fits else "[red]does not fit[/]")
+            found = item.estimate
+            host = f"host {found.host_needed / gib:.1f} GiB" if not estimate.fits_host else ""
+            verdict = "[green]fits[/]" if found.fits else "[red]does not fit[/]" if found.fits_host else \
+                "[red]does not fit: host memory[/]"
+            advice.add_row(escape(item.what), f"{found.needed / gib:.1f} GiB", host, verdict)
         out.print(advice)
 
     out.print()

@@ -17,6 +17,7 @@ class Setup:
     """What a plan is for: the layout and the memory options of a resolved profile."""
 
     gpus: int = 1
+    gpus_per_node: int = 1  # workers on one machine: they share its host memory
     cp: int = 1
     dp_shard: int = 1
     tp: int = 1
@@ -39,7 +40,8 @@ class Setup:
     def from_profile(cls, profile: Any, *, chunked_loss: bool = False, batch: int = 1) -> Setup:
         memory = profile.memory
         return cls(
-            gpus=profile.world_size, cp=profile.parallelism.cp_size, dp_shard=profile.parallelism.dp_shard_size,
+            gpus=profile.world_size, gpus_per_node=profile.launch.nproc_per_node, cp=profile.parallelism.cp_size,
+            dp_shard=profile.parallelism.dp_shard_size,
             tp=profile.parallelism.tp_size, strategy=profile.parallelism.cp_comm_strategy,
             precision=profile.fsdp.mixed_precision, activation_checkpointing=profile.fsdp.activation_checkpointing,
             reshard_after_forward=profile.fsdp.reshard_after_forward, chunked_loss=chunked_loss,
@@ -51,8 +53,9 @@ class Setup:
         )
 
     def with_cp(self, gpus: int) -> Setup:
-        """All `gpus` on CP: one FSDP shard per CP rank, no TP or replicas."""
-        return dataclasses.replace(self, gpus=gpus, cp=gpus, dp_shard=1, tp=1)
+        """All `gpus` on CP: one FSDP shard per CP rank, no TP or replicas; machines of this many GPUs."""
+        return dataclasses.replace(self, gpus=gpus, cp=gpus, dp_shard=1, tp=1,
+                                   gpus_per_node=min(gpus, max(self.gpus_per_node, 1)))
 
     def describe(self) -> str:
         options = [f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}: cp {self.cp} x dp_shard {self.dp_shard}"
