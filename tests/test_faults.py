@@ -27,19 +27,6 @@ SLOW = ("--seq-len", "1024")  # steps long enough (a few tenths of a second) to 
 TOLERANCE = 1e-4
 
 
-def worker_pids(marker: str) -> list[int]:
-    """Processes whose command line holds `marker` (the workers of one test's launch)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return [pid for pid in found if pid != os.getpid()]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     tmp = tmp_path_factory.mktemp("uninterrupted")
@@ -51,23 +38,23 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 
 @pytest.mark.parametrize("attempt", range(3))  # a restart must work every time, not one time in five
-def test_a_killed_worker_is_restarted_and_the_run_resumes(uninterrupted, tmp_path: Path, attempt: int) -> None:
-    out, ckpt = tmp_path / "losses.json", tmp_path / f"ckpt-{attempt}"
-    proc = cpctl("--profile", "cpu-try", "--max-restarts", "1", str(SCRIPT), "--steps", str(STEPS), *SLOW,
-                 "--checkpoint-dir", str(ckpt), "--save-every", "1", "--losses-out", str(out),
-                 tmp_path=tmp_path)
-    saved = ckpt / f"step-{KILL_AFTER:09d}"
+def test_a_killed_rank_is_restarted_and_the_run_resumes(uninterrupted, tmp_path: Path, attempt: int) -> None:
+    out, ckpt, pids = tmp_path / "losses.json", tmp_path / "ckpt", tmp_path / "pids"
+    pids.mkdir()
+    proc = cpctl("--profile", "cpu-try", "--max-restarts", "1", str(WORKER), "train", str(pids), "--steps", str(STEPS),
+                 *SLOW, "--checkpoint-dir", str(ckpt), "--save-every", "1", "--losses-out", str(out), tmp_path=tmp_path)
+    saved, victim = ckpt / f"step-{KILL_AFTER:09d}", pids / "rank1-attempt0.pid"
     deadline = time.monotonic() + 90
-    while not saved.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # kill one worker as soon as step KILL_AFTER is saved
-    victims = worker_pids(str(ckpt))
-    assert victims and proc.poll() is None, "the run ended before a worker could be killed"
-    os.kill(max(victims), signal.SIGKILL)
+    while not (saved.exists() and victim.exists()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # kill rank 1 as soon as step KILL_AFTER is saved
+    assert proc.poll() is None and victim.exists(), "the run ended before rank 1 could be killed"
+    os.kill(int(victim.read_text()), signal.SIGKILL)  # rank 1 itself, by the pid it wrote
     code, stdout, stderr = finish(proc)
     output = stdout + stderr
     assert code == 0, output
+    assert (pids / "rank1-attempt1.pid").exists(), output  # torchrun started the workers again
     run = json.loads(out.read_text())
-    assert 0 < run["first_step"] <= KILL_AFTER + 1, output  # resumed from a checkpoint, not from scratch
+    assert KILL_AFTER <= run["first_step"] <= STEPS - 1, output  # resumed from a checkpoint, not from scratch
     for step, loss in enumerate(run["losses"], start=run["first_step"]):
         assert abs(loss - uninterrupted[step]) <= TOLERANCE, (step, run, uninterrupted)
 
