@@ -267,6 +267,15 @@ def test_dry_run_shows_profile_sources_mesh_and_command(script: Path) -> None:
     assert f"{PROFILE_ENV_VAR}='{{\"version\":1," in out
 
 
+def test_dry_run_says_which_blocks_the_mixed_level_makes_selective(script: Path) -> None:
+    on = ["launch", "--dry-run", "--device", "cpu", "--activation-checkpointing", "true", "--checkpoint-level", "mixed"]
+    fit = cpctl(*on, "train.py")
+    assert fit.exit_code == 0, fit.output
+    assert "selective for as many blocks as fit, chosen at the first step" in " ".join(fit.stdout.split())
+    pinned = cpctl(*on, "--selective-blocks", "3", "train.py")
+    assert "Checkpointing: selective for the last 3 blocks, full for the rest." in pinned.stdout
+
+
 def test_dry_run_multi_node(script: Path) -> None:
     result = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--node-rank", "1",
                    "--rdzv-endpoint", "10.0.0.1:29400", "--nproc-per-node", "2", "--cp-size", "4", "train.py")

@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from cpctl.config.layers import PROFILE_ENV_VAR
+from cpctl.config.schema import FIT
 from cpctl.launch.accelerate_env import accelerate_env
 
 if TYPE_CHECKING:
@@ -152,6 +153,15 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None) -> N
         shown = "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
         profile_table.add_row(path, escape(shown), escape(source))
     out.print(profile_table)
+    memory = resolved.profile.memory
+    if resolved.profile.fsdp.activation_checkpointing and memory.checkpoint_level == "mixed":
+        if memory.selective_blocks == FIT:
+            chosen = ("as many blocks as fit, chosen at the first step from cpctl plan's memory model for this GPU "
+                      "and the step's length (`cpctl plan --model M --seq-len S --checkpoint-level mixed` shows the "
+                      "count; --selective-blocks N pins it)")
+        else:
+            chosen = f"the last {memory.selective_blocks} blocks"
+        out.print(f"Checkpointing: selective for {escape(chosen)}, full for the rest.", soft_wrap=True)
 
     profile = resolved.profile
     world, nproc = profile.world_size, profile.launch.nproc_per_node
