@@ -76,3 +76,57 @@ def test_a_forward_that_raises_leaves_nothing_behind(case, name: str) -> None:
     assert result["raised"]
     assert result["saved_outside_is_the_tensor"]  # no offload hook left pushed after the failed forward
     assert result["losses"][-1] == pytest.approx(result["reference"][-1], abs=1e-6)  # and the next step is exact
+
+
+# ----------------------------------------------------------------------------- the arena itself, in this process
+
+
+def test_the_arena_gives_back_every_tensor_exactly_and_reuses_its_buffers() -> None:
+    torch = pytest.importorskip("torch")
+    from cpctl.runtime.pinned import HostArena
+
+    arena = HostArena(torch.device("cpu"))
+    tensors = [torch.randn(6, 5).t(), torch.arange(7), torch.randn(3, 4).to(torch.bfloat16), torch.randn(2, 3, 4)[:, 1]]
+    for _ in range(3):  # three "steps": the same sizes each time
+        packed = [arena.pack(t) for t in tensors]
+        assert arena.in_use_bytes == arena.allocated_bytes == sum(t.numel() * t.element_size() for t in tensors)
+        for tensor, saved in zip(tensors, packed):
+            back = arena.unpack(saved)
+            assert back.dtype == tensor.dtype and torch.equal(back, tensor)
+        del packed, saved  # what autograd does after backward: the buffers go back
+        assert arena.in_use_bytes == 0
+    assert arena.allocations == len(tensors)  # made in the first step, taken again in the others
+
+
+def test_a_tensor_saved_twice_is_copied_once_and_parameters_never() -> None:
+    torch = pytest.importorskip("torch")
+    from cpctl.runtime.pinned import HostArena
+
+    arena = HostArena(torch.device("cpu"))
+    x = torch.randn(4, 8)
+    before = x.clone()
+    first, second = arena.pack(x), arena.pack(x.detach())  # the same memory, unchanged: one buffer
+    assert arena.allocated_bytes == x.numel() * 4
+    x.add_(1)  # changed in place: a later save is a new copy, the earlier ones keep what they saved
+    third = arena.pack(x)
+    assert arena.allocated_bytes == 2 * x.numel() * 4
+    assert torch.equal(arena.unpack(first), before) and torch.equal(arena.unpack(second), before)
+    assert torch.equal(arena.unpack(third), x)
+    weight = torch.nn.Parameter(torch.randn(3, 8))
+    view = weight.t()  # a Linear saves its weight so
+    assert arena.pack(weight) is weight and arena.pack(view) is view
+    assert arena.allocated_bytes == 2 * x.numel() * 4  # neither the parameter nor its transposed view was copied
+    del first, second, third
+
+
+def test_a_buffer_the_machine_cannot_hold_is_one_error_not_the_oom_killer() -> None:
+    torch = pytest.importorskip("torch")
+    from cpctl.errors import CpctlError
+    from cpctl.runtime.pinned import HostArena, available_host_bytes
+
+    if available_host_bytes() is None:
+        pytest.skip("no /proc/meminfo here")
+    arena = HostArena(torch.device("meta"))  # a tensor with no memory behind it stands for a huge activation
+    with pytest.raises(CpctlError, match=r"memory.offload_activations: the step needs \d+\.\d\d GiB more host memory"):
+        arena.pack(torch.empty(2**50, dtype=torch.uint8, device="meta"))
+    assert arena.allocated_bytes == 0
