@@ -68,7 +68,7 @@ class Checkpointer:
         self.directory = Path(self.directory)
         if self.keep < 1:
             raise CpctlError(f"Checkpointer(keep={self.keep}): keep at least 1 checkpoint")
-        self._pending: tuple[Any, Path, Path] | None = None  # (future, partial, final) of an async save
+        self._pending: tuple[Any, Path, Path, dict] | None = None  # (future, partial, final, meta) of an async save
         self._cpu_group = None  # async writes need a group that takes CPU tensors (gloo)
         if self.async_save and dist.is_initialized() and dist.get_backend() != "gloo":
             self._cpu_group = dist.new_group(backend="gloo")
