@@ -38,7 +38,9 @@ def register() -> bool:
     """Register the backend with torch's rendezvous registry (once); False where this torch's
     rendezvous handler has no store-server factory to give loopback sockets to."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+        DynamicRendezvousHandler,
+    )
 
     if not hasattr(DynamicRendezvousHandler, "_create_tcp_store_server"):
         return False
@@ -62,7 +64,9 @@ def loopback_store(*, timeout: timedelta) -> Any:
 
 def _create_handler(params: Any) -> Any:
     """torch's c10d rendezvous (`create_handler`), with its stores on loopback sockets."""
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     class LoopbackBackend(C10dRendezvousBackend):

@@ -3,7 +3,6 @@ peak can fall (the package's docstring says which moments, and what the terms mo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 

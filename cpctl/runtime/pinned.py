@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -242,13 +241,3 @@ def offload_saved_activations(model: nn.Module, *, arena: HostArena) -> None:
 
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)
-
-
-@contextlib.contextmanager
-def offloaded(arena: HostArena | None) -> Iterator[None]:
-    """`arena.saved_tensors()`, or nothing without an arena."""
-    if arena is None:
-        yield
-        return
-    with arena.saved_tensors():
-        yield

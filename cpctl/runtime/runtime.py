@@ -33,6 +33,7 @@ from cpctl.errors import CpctlError
 from cpctl.integrations import huggingface
 from cpctl.runtime import documents as packing
 from cpctl.runtime import guards, losses, process
+from cpctl.runtime.checkpoint_levels import BlockLevels
 from cpctl.runtime.loader import EpochDataLoader, ResumableSampler
 from cpctl.runtime.mesh import build_mesh
 from cpctl.runtime.parallelize import (
@@ -42,7 +43,6 @@ from cpctl.runtime.parallelize import (
     apply_tiled_mlp,
     find_blocks,
 )
-from cpctl.runtime.checkpoint_levels import BlockLevels
 from cpctl.runtime.pinned import HostArena, offload_saved_activations
 from cpctl.runtime.selective import AttentionMemo
 from cpctl.versions import require_torch
