@@ -14,11 +14,25 @@ hidden states a chunk at a time. Each run appends JSON lines, one per length:
         --tiled-mlp-tokens 8192 --offload-activations true \
         scripts/bench_train.py --model hf:llama-3.2-1b --chunked-loss --seqs 32k --probe 512k
 
+The longest runs on one H200 (a single step each, the AdamW state made first so that the step
+holds it, as every step after the first does), and the mixed checkpointing level at 128k:
+
+    python -m cpctl launch --nproc-per-node 1 --device cuda --activation-checkpointing true \
+        --tiled-mlp-tokens 8192 --offload-activations true \
+        scripts/bench_train.py --model hf:llama-3.2-3b --chunked-loss --optimizer-state --seqs "" --probe 512k
+    python -m cpctl launch --nproc-per-node 1 --device cuda --activation-checkpointing true \
+        --tiled-mlp-tokens 8192 --offload-activations true \
+        scripts/bench_train.py --model 1b --chunked-loss --optimizer-state --seqs "" --probe 1M
+    python -m cpctl launch --nproc-per-node 1 --device cuda --activation-checkpointing true \
+        --checkpoint-level mixed scripts/bench_train.py --model hf:llama-3.2-3b --chunked-loss --seqs 128k
+
 Fields: world, cp, seq, the options, step_s (median), tokens_per_s, mfu (model FLOPs incl.
 causal attention, over 989 TFLOP/s dense bf16 per GPU, the H200 datasheet figure), peak_gib
 (max over ranks of torch's peak allocated memory), plan_gib (what `cpctl plan` predicts for
-the same setup), and error "out of memory" where a length does not train. `--probe` lengths
-run one step only, to find the longest sequence that trains.
+the same setup), host_gib and plan_host_gib (the host memory the offloaded activations took,
+rank 0's, and `cpctl plan`'s figure), selective_blocks (the mixed level's count, as applied),
+and error "out of memory" where a length does not train. `--probe` lengths run one step only,
+to find the longest sequence that trains.
 """
 
 from __future__ import annotations
@@ -56,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--seqs", default="32k,64k,128k", help="lengths to time, e.g. 32k,64k")
     p.add_argument("--probe", default="", help="longer lengths to try once each, to find the longest that trains")
     p.add_argument("--chunked-loss", action="store_true", help="the loss a chunk of tokens at a time")
+    p.add_argument("--optimizer-state", action="store_true",
+                   help="make AdamW's state before the first step (one step on zero gradients), so that a single "
+                        "probe step holds it as a second step would")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default=None)
@@ -145,8 +162,16 @@ def run_length(rt, bench, optimizer, seq: int, *, warmup: int, steps: int) -> di
 
 
 # The settings a row was measured with, as the planner's Setup names them: what it needs to predict it.
-RECORDED_OPTIONS = ("activation_checkpointing", "checkpoint_level", "chunked_loss", "tiled_mlp_tokens",
-                    "offload_activations", "cpu_offload", "logits_kept", "first_step")
+RECORDED_OPTIONS = ("activation_checkpointing", "checkpoint_level", "selective_blocks", "chunked_loss",
+                    "tiled_mlp_tokens", "offload_activations", "cpu_offload", "logits_kept", "first_step")
+
+
+def make_optimizer_state(model, optimizer) -> None:
+    """AdamW's state, made by one step on zero gradients (the parameters barely move: weight decay)."""
+    for param in model.parameters():
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def main(argv=None):
@@ -162,23 +187,32 @@ def main(argv=None):
         bench = ExampleLlama(rt, name, chunked_loss=args.chunked_loss)
     n_params = sum(p.numel() for p in bench.model.parameters())
     optimizer = torch.optim.AdamW(bench.model.parameters(), lr=1e-4)
+    if args.optimizer_state:
+        make_optimizer_state(bench.model, optimizer)
     # The HF step keeps only model(labels=...).loss, not the logits.
     profile_setup = dataclasses.replace(planner.Setup.from_profile(rt.config, chunked_loss=args.chunked_loss),
                                         logits_kept=not args.model.startswith(HF_PREFIX))
+    shape = planner.PRESETS[name]
     for index, (label, warmup, steps) in enumerate(lengths):
         # AdamW has no state before the process's first optimizer step.
-        setup = dataclasses.replace(profile_setup, first_step=index == 0 and warmup == 0)
+        setup = dataclasses.replace(profile_setup, first_step=index == 0 and warmup == 0 and not args.optimizer_state)
         seq = planner.parse_tokens(label)
         record = dict(model=args.model, params=n_params, world=rt.world_size, cp=rt.cp_size,
                       strategy=rt.config.parallelism.cp_comm_strategy, seq=seq, probe=steps == 1 and warmup == 0,
-                      **{name: getattr(setup, name) for name in RECORDED_OPTIONS},
-                      plan_gib=round(planner.peak_gib(planner.PRESETS[name], setup, seq), 2),
-                      gpu=torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu", torch=torch.__version__, date=time.strftime("%Y-%m-%d"))
+                      gpu=torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu", torch=torch.__version__,
+                      date=time.strftime("%Y-%m-%d"))
         try:
             record.update(run_length(rt, bench, optimizer, seq, warmup=warmup, steps=steps))
         except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
             record["error"] = "out of memory"
+        if rt.selective_blocks is not None and setup.checkpoint_level == "mixed":
+            setup = dataclasses.replace(setup, selective_blocks=rt.selective_blocks)  # what the runtime applied
+        planned = planner.estimate(shape, setup, seq)
+        record.update({option: getattr(planned.setup, option) for option in RECORDED_OPTIONS},
+                      plan_gib=round(planned.peak / planner.GiB, 2), plan_host_gib=round(planned.host_bytes / planner.GiB, 2))
+        if rt.host_arena is not None:
+            record["host_gib"] = round(rt.host_arena.peak_bytes / planner.GiB, 2)
         if rt.is_main:
             print(json.dumps(record), flush=True)
             if args.out:

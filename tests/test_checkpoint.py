@@ -9,9 +9,13 @@ steps' losses equal an uninterrupted run's; a checkpoint interrupted mid-write i
 from __future__ import annotations
 
 import json
+import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,7 +29,7 @@ TOLERANCE = 1e-4  # fp32, as the layout tests of the example
 def plain(tmp: Path, *args: str) -> dict:
     out = tmp / f"plain-{len(list(tmp.glob('plain-*')))}.json"
     done = subprocess.run([sys.executable, str(SCRIPT), "--steps", str(STEPS), *args, "--losses-out", str(out)],
-                          cwd=tmp, env=launch_env(tmp), capture_output=True, text=True, timeout=120)
+                          cwd=tmp, env=launch_env(tmp), capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     return json.loads(out.read_text())
 
@@ -103,3 +107,163 @@ def test_an_asynchronous_checkpoint_resumes_like_a_blocking_one(saved_at_cp2_dp2
                      "--save-every", str(HALF), "--stop-after", str(HALF), "--async-save")
     assert len(first["losses"]) == HALF and (tmp_path / "ckpt" / f"step-{HALF:09d}").is_dir()
     resumed_equals_reference(plain(tmp_path, "--checkpoint-dir", str(tmp_path / "ckpt")), reference)
+
+
+# ----------------------------------------------------------------------------- faults
+
+WORKER = REPO / "tests" / "workers" / "fault_worker.py"
+CP2 = ["--nproc-per-node", "2", "--cp-size", "2"]
+
+
+def plain_run(tmp: Path, *args: str) -> subprocess.CompletedProcess:
+    """`python train_llama.py` in one process, its output kept (the resume says what it did on stderr)."""
+    return subprocess.run([sys.executable, str(SCRIPT), "--steps", str(STEPS), *args], cwd=tmp, env=launch_env(tmp),
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
+@pytest.fixture(scope="module")
+def saved_every_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints of steps 1, 2 and 3, saved at cp 2."""
+    tmp = tmp_path_factory.mktemp("every_step")
+    launched(tmp, CP2, "--checkpoint-dir", str(tmp / "ckpt"), "--save-every", "1", "--stop-after", str(HALF))
+    assert [p.name for p in sorted((tmp / "ckpt").iterdir())] == [f"step-{n:09d}" for n in (1, 2, 3)]
+    return tmp / "ckpt"
+
+
+def test_a_truncated_shard_in_the_latest_checkpoint_resumes_from_the_one_before(saved_every_step, saved_at_cp2_dp2,
+                                                                                 tmp_path: Path) -> None:
+    _, reference = saved_at_cp2_dp2
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved_every_step, ckpt)
+    shard = ckpt / f"step-{HALF:09d}" / "__1_0.distcp"
+    with open(shard, "r+b") as handle:
+        handle.truncate(1000)
+    out = tmp_path / "losses.json"
+    done = plain_run(tmp_path, "--checkpoint-dir", str(ckpt), "--losses-out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    said = [line for line in done.stderr.splitlines() if "damaged" in line]
+    assert len(said) == 1, done.stderr
+    assert f"step-{HALF:09d}" in said[0] and "__1_0.distcp" in said[0] and "truncated" in said[0]
+    assert f"resuming from step-{HALF - 1:09d}" in said[0]
+    resumed = json.loads(out.read_text())
+    assert resumed["first_step"] == HALF - 1
+    for got, want in zip(resumed["losses"], reference["losses"][HALF - 1:]):
+        assert abs(got - want) <= TOLERANCE, (resumed["losses"], reference["losses"])
+    # set aside, never taken as latest again; the resumed run saved nothing (no --save-every)
+    assert (ckpt / f"step-{HALF:09d}.damaged" / "__1_0.distcp").stat().st_size == 1000
+
+
+def test_a_changed_byte_with_no_earlier_checkpoint_is_one_line_naming_the_file(saved_every_step, tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copytree(saved_every_step / f"step-{HALF:09d}", ckpt / f"step-{HALF:09d}")
+    shard = ckpt / f"step-{HALF:09d}" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside a tensor's bytes: it would unpickle fine, and load a different model
+    shard.write_bytes(bytes(data))
+    code, stdout, stderr = finish(cpctl("--device", "cpu", *CP2, str(SCRIPT), "--steps", str(STEPS),
+                                        "--checkpoint-dir", str(ckpt), tmp_path=tmp_path))
+    assert code == 1, stdout + stderr
+    (line,) = error_lines(stderr)
+    assert f"checkpoint {ckpt / f'step-{HALF:09d}'}: __0_0.distcp is damaged" in line and "checksum" in line, line
+    assert "no earlier complete checkpoint" in line and f"move step-{HALF:09d} away" in line, line
+    assert "Traceback" not in stdout + stderr
+
+
+def test_an_unwritable_checkpoint_directory_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    code, stdout, stderr = finish(cpctl("--device", "cpu", *CP2, str(SCRIPT), "--steps", "2", "--save-every", "1",
+                                        "--checkpoint-dir", str(tmp_path / "a-file" / "ckpt"), tmp_path=tmp_path))
+    assert code == 1, stdout + stderr
+    (line,) = error_lines(stderr)
+    assert "checkpoint step-000000001 in" in line and "cannot write there (Not a directory)" in line, line
+    assert "Traceback" not in stdout + stderr
+
+
+SMALL_DISK = """
+set -e
+mount -t tmpfs -o size={size}k tmpfs {disk}
+set +e
+{launch} > {tmp}/full.out 2> {tmp}/full.err
+echo $? > {tmp}/full.code
+ls -a {disk}/ckpt > {tmp}/full.ls
+mount -o remount,size=64m {disk}
+{launch} > {tmp}/resumed.out 2> {tmp}/resumed.err
+echo $? > {tmp}/resumed.code
+"""
+
+
+def test_a_full_disk_is_one_line_and_the_latest_complete_checkpoint_stays(saved_at_cp2_dp2, tmp_path: Path) -> None:
+    """A real small filesystem: a tmpfs, mounted in a private mount namespace (unshare)."""
+    _, reference = saved_at_cp2_dp2
+    probe = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip("no unprivileged mount namespace here (unshare) to mount a small tmpfs in")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    launch = shlex.join([sys.executable, "-m", "cpctl.launch.cli", "launch", "--device", "cpu", *CP2, str(SCRIPT),
+                         "--steps", str(STEPS), "--save-every", "2", "--checkpoint-dir", str(disk / "ckpt"),
+                         "--losses-out", str(tmp_path / "losses.json")])
+    # room for one checkpoint of the tiny model (1.6 MB), not for two
+    script = SMALL_DISK.format(size=2500, disk=disk, tmp=tmp_path, launch=launch)
+    subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script], cwd=tmp_path,
+                   env=launch_env(tmp_path), timeout=300, check=True)
+    full_err = (tmp_path / "full.err").read_text()
+    assert (tmp_path / "full.code").read_text().strip() == "1", full_err
+    (line,) = error_lines(full_err)
+    assert "checkpoint step-000000004" in line and "the disk is full" in line, line
+    assert "the latest complete checkpoint is still step-000000002" in line, line
+    assert "Traceback" not in full_err + (tmp_path / "full.out").read_text()
+    # nothing half-written stays: the partial checkpoint was removed
+    assert (tmp_path / "full.ls").read_text().split() == [".", "..", "step-000000002"]
+    # with room again, the run resumes from step 2 and gives the uninterrupted run's losses
+    assert (tmp_path / "resumed.code").read_text().strip() == "0", (tmp_path / "resumed.err").read_text()
+    resumed = json.loads((tmp_path / "losses.json").read_text())
+    assert resumed["first_step"] == 2
+    for got, want in zip(resumed["losses"], reference["losses"][2:]):
+        assert abs(got - want) <= TOLERANCE, (resumed["losses"], reference["losses"])
+
+
+def test_kill_9_of_the_whole_job_during_a_save_resumes_from_the_last_complete_one(saved_at_cp2_dp2,
+                                                                                   tmp_path: Path) -> None:
+    _, reference = saved_at_cp2_dp2
+    ckpt, pids = tmp_path / "ckpt", tmp_path / "pids"
+    pids.mkdir()
+    proc = cpctl("--device", "cpu", *CP2, str(WORKER), "train", str(pids), "--steps", str(STEPS), "--save-every", "1",
+                 "--checkpoint-dir", str(ckpt), tmp_path=tmp_path)
+    frozen = None
+    deadline = time.monotonic() + 120
+    while frozen is None and proc.poll() is None and time.monotonic() < deadline:
+        writing = list(ckpt.glob("step-*.partial")) if ckpt.is_dir() else []
+        saved = [p for p in ckpt.glob("step-*") if not p.name.endswith(".partial")] if writing else []
+        if not saved or len(list(pids.glob("*.pid"))) < 2:  # a save after a complete one
+            time.sleep(0.002)
+            continue
+        job = [proc.pid, *(int(p.read_text()) for p in pids.glob("*.pid"))]
+        for pid in job:  # freeze the moment: the launcher and both ranks, mid-write
+            os.kill(pid, signal.SIGSTOP)
+        if writing[0].exists():
+            frozen = job
+        else:  # the save finished between seeing it and stopping: let it go on to the next one
+            for pid in job:
+                os.kill(pid, signal.SIGCONT)
+    assert frozen is not None, "no save was caught in the middle"
+    for pid in frozen:
+        os.kill(pid, signal.SIGKILL)
+    proc.communicate()
+    partial = list(ckpt.glob("step-*.partial"))
+    complete = [p for p in sorted(ckpt.iterdir()) if not p.name.endswith(".partial")]
+    assert len(partial) == 1 and complete, sorted(p.name for p in ckpt.iterdir())
+    last = int(complete[-1].name.removeprefix("step-"))
+    assert int(partial[0].name.removeprefix("step-").removesuffix(".partial")) == last + 1
+    out = tmp_path / "losses.json"
+    done = plain_run(tmp_path, "--checkpoint-dir", str(ckpt), "--losses-out", str(out))
+    assert done.returncode == 0, done.stdout + done.stderr
+    resumed = json.loads(out.read_text())
+    assert resumed["first_step"] == last
+    for got, want in zip(resumed["losses"], reference["losses"][last:]):
+        assert abs(got - want) <= TOLERANCE, (resumed["losses"], reference["losses"])

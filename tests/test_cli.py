@@ -124,6 +124,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--cp-load-balance", "--fsdp-version", "--reshard-after-forward", "--mixed-precision",
         "--activation-checkpointing", "--attention", "--device", "--nnodes", "--nproc-per-node",
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
+        "--selective-blocks",
         "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine",
     }
     # accelerate launch's flags for what cpctl has (its underscore spellings match as dashes)
@@ -303,6 +304,15 @@ def test_a_script_of_neither_api_is_refused_under_cp(isolated: Path) -> None:
     assert result.exit_code == 0 and table_rows(result.stdout)["launch.script_api"] == ["cpctl", "flag --script-api"]
 
 
+def test_dry_run_says_which_blocks_the_mixed_level_makes_selective(script: Path) -> None:
+    on = ["launch", "--dry-run", "--device", "cpu", "--activation-checkpointing", "true", "--checkpoint-level", "mixed"]
+    fit = cpctl(*on, "train.py")
+    assert fit.exit_code == 0, fit.output
+    assert "selective for as many blocks as fit, chosen at the first step" in " ".join(fit.stdout.split())
+    pinned = cpctl(*on, "--selective-blocks", "3", "train.py")
+    assert "Checkpointing: selective for the last 3 blocks, full for the rest." in pinned.stdout
+
+
 def test_dry_run_multi_node(script: Path) -> None:
     result = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--node-rank", "1",
                    "--rdzv-endpoint", "10.0.0.1:29400", "--nproc-per-node", "2", "--cp-size", "4", "train.py")
@@ -409,8 +419,10 @@ def test_launch_hands_torchrun_its_own_parsed_args(script: Path, torchrun: Torch
     result = cpctl("launch", "--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "train.py", "--lr", "1e-3", "-x")
     assert result.exit_code == 0, result.output
     [(args, environ)] = torchrun.calls
-    assert (args.nnodes, args.nproc_per_node, args.max_restarts, args.standalone) == ("1", "2", 0, True)
-    assert (args.rdzv_backend, args.tee, args.module) == ("static", "3", False)  # run() turns --standalone into c10d
+    # torchrun's --standalone, with its stores on 127.0.0.1 (cpctl.launch.loopback)
+    assert (args.nnodes, args.nproc_per_node, args.max_restarts, args.standalone) == ("1", "2", 0, False)
+    assert (args.rdzv_backend, args.rdzv_endpoint, args.local_addr) == ("cpctl-loopback", "127.0.0.1:0", "127.0.0.1")
+    assert (args.tee, args.module) == ("3", False)
     assert (args.training_script, args.training_script_args) == ("train.py", ["--lr", "1e-3", "-x"])
     sent = json.loads(environ[PROFILE_ENV_VAR])
     assert sent["parallelism"] | {} == {"dp_replicate_size": 1, "dp_shard_size": 1, "cp_size": 2, "sp_size": 1,

@@ -4,8 +4,11 @@ workers die with a SIGKILLed launcher."""
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -15,24 +18,13 @@ from pathlib import Path
 import pytest
 from launching import REPO, cpctl, finish, launch_env
 
+from cpctl.launch import failures
+
 SCRIPT = REPO / "scripts" / "train_llama.py"
 WORKER = REPO / "tests" / "workers" / "fault_worker.py"
 STEPS, KILL_AFTER = 8, 3
 SLOW = ("--seq-len", "1024")  # steps long enough (a few tenths of a second) to kill a worker mid-run
 TOLERANCE = 1e-4
-
-
-def worker_pids(marker: str) -> list[int]:
-    """Processes whose command line holds `marker` (the workers of one test's launch)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if marker in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return [pid for pid in found if pid != os.getpid()]
 
 
 @pytest.fixture(scope="module")
@@ -46,23 +38,23 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 
 @pytest.mark.parametrize("attempt", range(3))  # a restart must work every time, not one time in five
-def test_a_killed_worker_is_restarted_and_the_run_resumes(uninterrupted, tmp_path: Path, attempt: int) -> None:
-    out, ckpt = tmp_path / "losses.json", tmp_path / f"ckpt-{attempt}"
-    proc = cpctl("--profile", "cpu-try", "--max-restarts", "1", str(SCRIPT), "--steps", str(STEPS), *SLOW,
-                 "--checkpoint-dir", str(ckpt), "--save-every", "1", "--losses-out", str(out),
-                 tmp_path=tmp_path)
-    saved = ckpt / f"step-{KILL_AFTER:09d}"
+def test_a_killed_rank_is_restarted_and_the_run_resumes(uninterrupted, tmp_path: Path, attempt: int) -> None:
+    out, ckpt, pids = tmp_path / "losses.json", tmp_path / "ckpt", tmp_path / "pids"
+    pids.mkdir()
+    proc = cpctl("--profile", "cpu-try", "--max-restarts", "1", str(WORKER), "train", str(pids), "--steps", str(STEPS),
+                 *SLOW, "--checkpoint-dir", str(ckpt), "--save-every", "1", "--losses-out", str(out), tmp_path=tmp_path)
+    saved, victim = ckpt / f"step-{KILL_AFTER:09d}", pids / "rank1-attempt0.pid"
     deadline = time.monotonic() + 90
-    while not saved.exists() and proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.01)  # kill one worker as soon as step KILL_AFTER is saved
-    victims = worker_pids(str(ckpt))
-    assert victims and proc.poll() is None, "the run ended before a worker could be killed"
-    os.kill(max(victims), signal.SIGKILL)
+    while not (saved.exists() and victim.exists()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)  # kill rank 1 as soon as step KILL_AFTER is saved
+    assert proc.poll() is None and victim.exists(), "the run ended before rank 1 could be killed"
+    os.kill(int(victim.read_text()), signal.SIGKILL)  # rank 1 itself, by the pid it wrote
     code, stdout, stderr = finish(proc)
     output = stdout + stderr
     assert code == 0, output
+    assert (pids / "rank1-attempt1.pid").exists(), output  # torchrun started the workers again
     run = json.loads(out.read_text())
-    assert 0 < run["first_step"] <= KILL_AFTER + 1, output  # resumed from a checkpoint, not from scratch
+    assert KILL_AFTER <= run["first_step"] <= STEPS - 1, output  # resumed from a checkpoint, not from scratch
     for step, loss in enumerate(run["losses"], start=run["first_step"]):
         assert abs(loss - uninterrupted[step]) <= TOLERANCE, (step, run, uninterrupted)
 
@@ -76,13 +68,41 @@ def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path: Path
     assert "error: rank 0:" in stderr and "rank 1 stopped answering" in stderr, stderr
 
 
-def test_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
+def listening_addresses(pid: int) -> list[str]:
+    """The local addresses of the TCP sockets process `pid` listens on, from /proc."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            link = os.readlink(fd)
+            if link.startswith("socket:["):
+                inodes.add(link[len("socket:["):-1])
+    found = []
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address = bytes.fromhex(fields[1].split(":")[0])
+                if table == "tcp":
+                    found.append(str(ipaddress.IPv4Address(address[::-1])))
+                else:  # four 32-bit words, each in host (little-endian) order
+                    words = b"".join(address[i:i + 4][::-1] for i in range(0, 16, 4))
+                    found.append(str(ipaddress.IPv6Address(words)))
+    return found
+
+
+def test_the_stores_listen_on_loopback_and_workers_die_with_a_sigkilled_launcher(tmp_path: Path) -> None:
     proc = cpctl("--device", "cpu", "--nproc-per-node", "2", str(WORKER), "sleep", str(tmp_path), tmp_path=tmp_path)
     deadline = time.monotonic() + 60
     while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     pids = [int(p.read_text()) for p in tmp_path.glob("pid*")]
     assert len(pids) == 2, "the workers did not start"
+    # the launcher hosts the rendezvous store and the workers' store: loopback only, never *:PORT
+    listening = listening_addresses(proc.pid)
+    assert len(listening) >= 2 and all(ipaddress.ip_address(a).is_loopback for a in listening), listening
+    for pid in pids:
+        environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item)
+        assert environ["MASTER_ADDR"] == "127.0.0.1"
     proc.kill()  # SIGKILL: no handler runs in the launcher
     proc.communicate()
     deadline = time.monotonic() + 15
@@ -99,7 +119,42 @@ def test_a_launch_leaves_nothing_in_the_temp_dir(tmp_path: Path) -> None:
     temp.mkdir()
     done = subprocess.run([sys.executable, "-m", "cpctl.launch.cli", "launch", "--profile", "cpu-try", str(SCRIPT),
                            "--steps", "1"], cwd=tmp_path, env=launch_env(tmp_path) | {"TMPDIR": str(temp)},
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     left = [p.name for p in temp.iterdir() if p.name.startswith(("torchelastic_", "cpctl-"))]
     assert left == []  # (torch's own inductor cache, shared by every run, may be there)
+
+
+def test_a_worker_killed_by_signal_9_is_named_and_told_apart_from_the_oom_killer(tmp_path: Path) -> None:
+    proc = cpctl("--device", "cpu", "--nproc-per-node", "2", str(WORKER), "sleep", str(tmp_path), tmp_path=tmp_path)
+    deadline = time.monotonic() + 60
+    while len(list(tmp_path.glob("pid*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(list(tmp_path.glob("pid*"))) == 2, "the workers did not start"
+    time.sleep(1.5)  # the launcher samples each worker's memory once a second
+    os.kill(int((tmp_path / "pid1").read_text()), signal.SIGKILL)
+    code, stdout, stderr = finish(proc)
+    assert code == 128 + signal.SIGKILL, stdout + stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert "worker rank 1" in line and "was killed by SIGKILL (signal 9)" in line, line
+    assert re.search(r"it held \d+\.\d GiB", line), line
+    if failures.oom_kills() is not None:  # this machine counts OOM kills: it knows this was not one
+        assert "not by this machine's out-of-memory killer" in line, line
+
+
+@pytest.mark.parametrize(("oom", "offload", "expected", "absent"), [
+    (True, ["memory.offload_activations: true"],
+     [("SIGKILL (signal 9) from the kernel's out-of-memory killer: host memory ran out (it held 98.0 GiB of this "
+       "machine's 125.0 GiB)"), "memory.offload_activations: true keeps tensors in host memory",
+      "`cpctl plan --model ... --seq-len ... --host-memory 125` shows what a step needs", "turn the offload off"], []),
+    (True, [], ["out-of-memory killer", "fewer processes per machine"], ["keeps tensors"]),
+    (False, [], ["not by this machine's out-of-memory killer", "another process or a scheduler"], ["host memory ran"]),
+    (None, [], ["see dmesg"], ["not by"]),
+])
+def test_how_a_sigkill_is_named(oom, offload, expected, absent) -> None:
+    text = failures.describe_kill("SIGKILL", oom=oom, resident=98 * 2**30, host=125 * 2**30, offload=offload)
+    for fragment in expected:
+        assert fragment in text, text
+    for fragment in absent:
+        assert fragment not in text, text
+    assert failures.describe_kill("SIGTERM", oom=True, resident=None, host=None, offload=[]) == "SIGTERM (signal 15)"

@@ -161,15 +161,26 @@ def test_the_selective_level_keeps_attention_tensors_per_layer() -> None:
         available=planner.available_options())]
 
 
-def test_offloaded_blocks_take_power_of_two_pinned_host_memory() -> None:
-    # The Llama-3.2-3B shape at 384k was killed for host memory on a 128 GiB machine: each
-    # block input (2.25 GiB) takes a 4 GiB pinned block, 112 GiB for 28 layers.
-    three = planner.estimate(PRESETS["llama-3.2-3b"], ALL_OPTIONS, 384 * K)
-    assert three.host_bytes == 28 * 4 * 2**30 and three.fits
-    assert planner.estimate(PRESETS["1b"], ALL_OPTIONS, 768 * K).host_bytes == 16 * 4 * 2**30
-    assert planner.estimate(PRESETS["1b"], CHUNKED, 768 * K).host_bytes == 0
-    offloaded = planner.estimate(PRESETS["1b"], dataclasses.replace(AC, cpu_offload=True), 32 * K)
-    assert offloaded.host_bytes == pytest.approx(16 * PRESETS["1b"].params)
+def test_offloaded_activations_take_host_memory_at_their_exact_size() -> None:
+    # The Llama-3.2-3B shape at 384k was killed for host memory on a 128 GiB machine when PyTorch's
+    # pinned allocator rounded each 2.25 GiB block input up to 4 GiB (112 GiB for 28 layers).
+    # cpctl's arena takes each tensor at its size (tests/test_offload.py: the planner's count to
+    # the byte on CPU): the block inputs, then the final norm's tensors and the ids.
+    model, tokens = PRESETS["llama-3.2-3b"], 384 * K
+    three = planner.estimate(model, ALL_OPTIONS, tokens)
+    block_inputs = 28 * 2 * model.dim * tokens
+    assert block_inputs == 28 * 2.25 * 2**30 and three.fits
+    head = (4 * model.dim + 2 * model.dim + 4 + 16) * tokens  # fp32 norm input, normalized output, 1/rms, ids
+    assert three.host_bytes == block_inputs + head
+    one = PRESETS["1b"]
+    assert planner.estimate(one, ALL_OPTIONS, 768 * K).host_bytes == (16 * 2 + 6) * one.dim * 768 * K + 20 * 768 * K
+    assert planner.estimate(one, CHUNKED, 768 * K).host_bytes == 0
+    # with the selective level each block's attention tensors go too
+    selective = planner.estimate(one, dataclasses.replace(ALL_OPTIONS, checkpoint_level="selective"), 768 * K)
+    kept = 2 * (2 * one.q_dim + 2 * one.kv_dim) + 4 * one.n_heads
+    assert selective.host_bytes == planner.estimate(one, ALL_OPTIONS, 768 * K).host_bytes + 16 * kept * 768 * K
+    offloaded = planner.estimate(one, dataclasses.replace(AC, cpu_offload=True), 32 * K)
+    assert offloaded.host_bytes == pytest.approx(16 * one.params)
 
 
 def test_advice_when_it_does_not_fit() -> None:
@@ -404,3 +415,34 @@ def test_ulysses_layouts_in_the_plan() -> None:
     odd = dataclasses.replace(model, n_heads=12, n_kv_heads=2)
     assert (choose_layout(odd, gpus=8).sp, choose_layout(odd, gpus=8).cp) == (4, 2)
     assert "repeated 2x" in choose_layout(odd, gpus=8).reason
+
+
+@pytest.mark.usefixtures("isolated")
+def test_plan_checks_host_memory_for_the_offload_options() -> None:
+    args = ["plan", "--model", "llama-3.2-3b", "--seq-len", "512k", "--device", "cuda", "--nproc-per-node", "1",
+            "--activation-checkpointing", "true", "--chunked-loss", "--tiled-mlp-tokens", "8192",
+            "--offload-activations", "true"]
+    roomy = json.loads(cpctl(*args, "--host-memory", "125", "--json").stdout)["estimate"]
+    # 28 block inputs of 512k x 3072 bf16 (84 GiB) and the final norm's tensors, at their exact size
+    assert roomy["host_gib"] == pytest.approx(93.0, abs=0.1) and roomy["fits_gpu"] and roomy["fits_host"]
+    assert roomy["host_needed_gib"] == pytest.approx(roomy["host_gib"] + planner.WORKER_HOST_GIB, abs=1e-3)
+    tight = cpctl(*args, "--host-memory", "64")
+    assert tight.exit_code == 0, tight.output
+    assert "does not fit: host memory" in tight.stdout and "of 64.0 GiB" in tight.stdout
+    assert "--offload-activations false" in tight.stdout  # what to turn down, with what it needs of the GPU
+    plan = json.loads(cpctl(*args, "--host-memory", "64", "--json").stdout)
+    assert plan["estimate"]["fits"] is False and plan["estimate"]["fits_gpu"] is True
+    turned_off = {s["what"]: s for s in plan["suggestions"]}["--offload-activations false (the activations on the GPU)"]
+    assert turned_off["fits"] is False  # on the GPU the 3B shape's 512k do not fit either
+    # the longest sequence that fits counts host memory too: less of it, shorter
+    assert plan["longest"][0]["seq_len"] < json.loads(cpctl(*args, "--host-memory", "125", "--json").stdout)["longest"][0]["seq_len"]
+
+
+@pytest.mark.usefixtures("isolated")
+def test_plan_checks_host_memory_of_this_machine_by_default() -> None:
+    from cpctl.launch.failures import machine_host_memory_gib
+
+    result = cpctl("plan", "--model", "1b", "--seq-len", "128k", "--device", "cuda", "--nproc-per-node", "1",
+                   "--activation-checkpointing", "true", "--offload-activations", "true", "--json")
+    assert json.loads(result.stdout)["estimate"]["host_memory_gib"] == pytest.approx(machine_host_memory_gib())
+    one_line_error(cpctl("plan", "--model", "1b", "--seq-len", "1k", "--host-memory", "none"), "--host-memory none")

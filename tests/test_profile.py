@@ -422,7 +422,7 @@ def test_selective_level_needs_checkpointing(tmp_path: Path) -> None:
     resolve_apart(tmp_path, flags={"memory.checkpoint_level": "selective", "launch.device": "cpu",
                                    "fsdp.activation_checkpointing": "true"})
     bad = error_of(tmp_path, flags={"memory.checkpoint_level": "some", "launch.device": "cpu"})
-    assert "'some' is not allowed for memory.checkpoint_level; expected full or selective" in bad
+    assert "'some' is not allowed for memory.checkpoint_level; expected full, selective, mixed" in bad
 
 
 class _Reads(dict):
@@ -462,3 +462,14 @@ def test_each_rule_reads_only_the_keys_it_declares(layout: dict) -> None:
         rule.problem(seen, Machine(cuda_devices=8))
         undeclared = seen.read - set(rule.keys) - set(rule.also_reads)
         assert not undeclared, f"{rule.problem.__name__} reads {sorted(undeclared)} without declaring them"
+
+
+def test_a_count_of_selective_blocks_is_the_mixed_levels(tmp_path: Path) -> None:
+    on = {"launch.device": "cpu", "fsdp.activation_checkpointing": "true"}
+    message = error_of(tmp_path, flags={**on, "memory.selective_blocks": "3"})
+    assert "memory.selective_blocks: 3 with checkpoint_level: full" in message and "set checkpoint_level: mixed" in message
+    for count, value in (("3", 3), ("fit", "fit"), ("0", 0)):
+        resolved = resolve_apart(tmp_path, flags={**on, "memory.checkpoint_level": "mixed", "memory.selective_blocks": count})
+        assert resolved.profile.memory.selective_blocks == value
+    bad = error_of(tmp_path, flags={**on, "memory.checkpoint_level": "mixed", "memory.selective_blocks": "-1"})
+    assert "expected an integer >= 0 or fit" in bad

@@ -34,6 +34,11 @@ LAYOUTS = {
                       "--activation-checkpointing", "true", "--checkpoint-level", "selective"),
     "dp2-selective": ("--nproc-per-node", "2", "--cp-size", "1", "--activation-checkpointing", "true",
                       "--checkpoint-level", "selective", "--tiled-mlp-tokens", "16"),
+    # the mixed level: the last block selective, the first fully recomputed; and as many as fit (both)
+    "cp2-mixed": ("--nproc-per-node", "2", "--cp-size", "2", "--activation-checkpointing", "true",
+                  "--checkpoint-level", "mixed", "--selective-blocks", "1"),
+    "cp2-mixed-fit": ("--nproc-per-node", "2", "--cp-size", "2", "--activation-checkpointing", "true",
+                      "--checkpoint-level", "mixed"),
     # the loss from the hidden states and the head, 24 tokens at a time (chunks cut through shards)
     "cp2-chunked-loss": ("--nproc-per-node", "2", "--cp-size", "2", "--loss-chunk-tokens", "24"),
     "tp2-cp2": ("--nproc-per-node", "4", "--cp-size", "2", "--tp-size", "2", "--dp-shard-size", "1"),
@@ -41,7 +46,8 @@ LAYOUTS = {
 }
 EXPECTED_SIZES = {"cp2": (2, 2, 1), "cp4": (4, 4, 1), "dp2-cp2": (4, 2, 2), "cp2-alltoall": (2, 2, 1),
                   "cp2-checkpointing": (2, 2, 1), "cp2-tiled-mlp": (2, 2, 1), "cp2-chunked-loss": (2, 2, 1),
-                  "cp2-selective": (2, 2, 1), "dp2-selective": (2, 1, 2), "tp2-cp2": (4, 2, 1), "hsdp2-cp2": (4, 2, 2)}
+                  "cp2-selective": (2, 2, 1), "dp2-selective": (2, 1, 2), "cp2-mixed": (2, 2, 1),
+                  "cp2-mixed-fit": (2, 2, 1), "tp2-cp2": (4, 2, 1), "hsdp2-cp2": (4, 2, 2)}
 
 
 def plain_run(tmp: Path, *extra: str) -> dict:

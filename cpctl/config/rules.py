@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from cpctl.config.schema import AUTO, CPU_DEFAULT_NPROC, KEYS, Flat
+from cpctl.config.schema import AUTO, CPU_DEFAULT_NPROC, FIT, KEYS, Flat
 
 if TYPE_CHECKING:
     from cpctl.launch.script_api import ScriptUse
@@ -233,6 +233,14 @@ def _level_needs_checkpoints(v: Mapping[str, Any], machine: Machine | None) -> s
     return None
 
 
+def _selective_blocks_need_auto(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    count, level = v["memory.selective_blocks"], v["memory.checkpoint_level"]
+    if count != FIT and level != "mixed":
+        return (f"memory.selective_blocks: {count} with checkpoint_level: {level}; a count of selective blocks is the "
+                "mixed level's: set checkpoint_level: mixed (selective for that many blocks, full for the rest)")
+    return None
+
+
 def _native_engine_is_accelerates(v: Mapping[str, Any], machine: Machine | None) -> str | None:
     if v["parallelism.cp_engine"] != "native":
         return None
@@ -249,7 +257,8 @@ def _native_engine_is_accelerates(v: Mapping[str, Any], machine: Machine | None)
 
 
 # What cpctl does to an accelerate script's model on its own engine (off at their defaults).
-CPCTL_MODEL_OPTIONS = ("memory.tiled_mlp_tokens", "memory.offload_activations", "memory.checkpoint_level")
+CPCTL_MODEL_OPTIONS = ("memory.tiled_mlp_tokens", "memory.offload_activations", "memory.checkpoint_level",
+                       "memory.selective_blocks")
 
 
 def _accelerate_limits(v: Mapping[str, Any], machine: Machine | None) -> str | None:
@@ -281,6 +290,7 @@ RULES = (
     Rule(("launch.device", "memory.offload_activations", "memory.cpu_offload"), _offload_needs_gpus),
     Rule(("memory.offload_activations", "fsdp.activation_checkpointing"), _offload_with_checkpoints),
     Rule(("memory.checkpoint_level", "fsdp.activation_checkpointing"), _level_needs_checkpoints),
+    Rule(("memory.selective_blocks", "memory.checkpoint_level"), _selective_blocks_need_auto),
     Rule(("parallelism.cp_engine", "launch.script_api", "launch.device", *CPCTL_MODEL_OPTIONS), _native_engine_is_accelerates),
     Rule(("launch.script_api", "parallelism.sp_size", "parallelism.tp_size", "parallelism.cp_size", "parallelism.dp_replicate_size",
           "parallelism.dp_shard_size"), _accelerate_limits),

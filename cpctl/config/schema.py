@@ -25,6 +25,7 @@ from cpctl.errors import CpctlError
 from cpctl.strategy import Strategy
 
 AUTO = "auto"
+FIT = "fit"  # memory.selective_blocks: as many as fit, chosen by the runtime at the first step
 PROFILE_VERSION = 1
 STRATEGIES = tuple(strategy.value for strategy in Strategy)
 PRECISIONS = ("bf16", "fp16", "no")
@@ -77,6 +78,16 @@ def integer(*, minimum: int, auto: bool = False) -> Kind:
         return AUTO if auto and text.strip().lower() == AUTO else int(text)
 
     return Kind(allowed, check, parse)
+
+
+def integer_or(word: str, *, minimum: int) -> Kind:
+    """An integer, or a word that leaves the number to be chosen later (not against the machine, as auto is)."""
+
+    def parse(text: str) -> Any:
+        return word if text.strip().lower() == word else int(text)
+
+    return Kind(f"an integer >= {minimum} or {word}", lambda value: value == word or (_is_int(value) and value >= minimum),
+                parse)
 
 
 def one_of(*choices: Any) -> Kind:
@@ -169,12 +180,19 @@ class Memory:
     loss_chunk_tokens: int = key(integer(minimum=1), 4096, "tokens per chunk of rt.causal_lm_loss, which never "
                                  "holds the full logits (smaller: less memory, more kernel calls)",
                                  prompt="Tokens per chunk of the chunked loss (rt.causal_lm_loss)")
-    checkpoint_level: str = key(one_of("full", "selective"), "full", "with activation checkpointing: full "
+    checkpoint_level: str = key(one_of("full", "selective", "mixed"), "full", "with activation checkpointing: full "
                                 "recomputes whole blocks in backward; selective keeps what attention saved, so "
-                                "attention and its CP exchange run once", prompt="Checkpointing level",
+                                "attention and its CP exchange run once; mixed: selective for as many blocks as "
+                                "memory allows (memory.selective_blocks), full for the rest", prompt="Checkpointing level",
                                 choices={"full": "full       least memory: recompute whole blocks, attention included",
                                          "selective": "selective  faster: keep attention's tensors (Q, K, V, output), "
-                                                      "recompute the rest"})
+                                                      "recompute the rest",
+                                         "mixed": "mixed      selective for as many blocks as fit (cpctl plan's memory "
+                                                  "model), full for the rest"})
+    selective_blocks: int | str = key(integer_or(FIT, minimum=0), FIT, "with checkpoint_level mixed: how many blocks "
+                                      "(the last ones) are selective, the rest full; fit: as many as fit on this GPU by "
+                                      "cpctl plan's memory model, chosen at the first step",
+                                      prompt="Selective blocks (fit = as many as fit, chosen at the first step)")
     tiled_mlp_tokens: int = key(integer(minimum=0), 0, "run each block's MLP over the sequence in tiles of this "
                                 "many tokens, recomputed per tile in backward (0: off)",
                                 prompt="Tiled MLP: tokens per tile, each recomputed in backward")

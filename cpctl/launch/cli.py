@@ -27,6 +27,7 @@ from cpctl import __version__
 from cpctl.config.schema import KEYS, Key
 from cpctl.errors import CpctlError
 from cpctl.launch import views
+from cpctl.launch.failures import machine_host_memory_gib
 
 
 class _Switches:
@@ -400,6 +401,9 @@ def plan(
         metavar="N", show_default=False, rich_help_panel=_PLAN)] = None,
     gpu_memory: Annotated[str, typer.Option(
         "--gpu-memory", help="GiB per GPU (141: an H200).", metavar="GIB", rich_help_panel=_PLAN)] = "141",
+    host_memory: Annotated[str | None, typer.Option(
+        "--host-memory", help="GiB of host memory per machine, for the offload options (default: this machine's).",
+        metavar="GIB", show_default=False, rich_help_panel=_PLAN)] = None,
     batch: Annotated[str, typer.Option(
         "--batch", help="Sequences per step on each CP group.", metavar="N", rich_help_panel=_PLAN)] = "1",
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.", rich_help_panel=_PLAN, **SWITCH)] = False,
@@ -423,10 +427,12 @@ def plan(
         tokens = planner.parse_tokens(seq_len)
         world = None if gpus is None else int(planner.parse_number(gpus, what="--gpus", integer=True))
         memory = planner.parse_number(gpu_memory, what="--gpu-memory", minimum=0.001)
+        host = machine_host_memory_gib() if host_memory is None else planner.parse_number(
+            host_memory, what="--host-memory", minimum=0.001)
         sequences = int(planner.parse_number(batch, what="--batch", integer=True))
         resolved = planner.resolve_setup(flags=flags, config=config, profile_name=profile, gpus=world,
                                          chunked_loss=chunked_loss, logits_kept=not model_loss, batch=sequences)
-        result = planner.make_plan(shape, resolved.setup, tokens, gpu_memory_gib=memory,
+        result = planner.make_plan(shape, resolved.setup, tokens, gpu_memory_gib=memory, host_memory_gib=host,
                                    available=planner.available_options())
     if json_output:
         typer.echo(json.dumps({**result.to_dict(), "profile": {"target": resolved.target, "note": resolved.note}},

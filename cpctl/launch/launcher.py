@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import importlib.machinery
 import importlib.util
 import json
@@ -30,13 +31,15 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cpctl.config import PROFILE_ENV_VAR, Profile, Resolved
 from cpctl.errors import ERROR_DIR_ENV_VAR, REPORT_KEY, CpctlError
 from cpctl import versions
+from cpctl.launch import loopback
+from cpctl.launch.failures import MemoryWatch
 from cpctl.launch.accelerate_env import accelerate_env
 
 # torchrun reads the per-line prefix template of tee'd worker output from this variable.
@@ -153,8 +156,9 @@ def launch(plan: Plan) -> None:
     logs = error_dir / "torchrun"
     argv = [f"--log-dir={logs}", *plan.torchrun_args]
     try:
-        with _environ({**plan.env, ERROR_DIR_ENV_VAR: str(error_dir)}):
-            _run_torchrun(argv, nnodes=profile.launch.nnodes)
+        with _environ({**plan.env, ERROR_DIR_ENV_VAR: str(error_dir)}), MemoryWatch() as memory:
+            _run_torchrun(argv, nnodes=profile.launch.nnodes,
+                          killed_by=functools.partial(memory.killed_by, memory=profile.memory))
     except KeyboardInterrupt:  # Ctrl-C before torchrun's agent installed its own handlers
         raise LaunchError("interrupted; workers stopped", exit_code=128 + signal.SIGINT) from None
     finally:
@@ -184,19 +188,19 @@ def check_cuda_devices(nproc_per_node: int, *, device_count: int, environ: Mappi
                      f"build (torch.version.cuda), or pass {fix}")
 
 
-def _run_torchrun(argv: list[str], *, nnodes: int = 1) -> None:
+def _run_torchrun(argv: list[str], *, nnodes: int = 1, killed_by: Callable[..., str] | None = None) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    args = torchrun.get_args_parser().parse_args(argv)
+    args = torchrun.get_args_parser().parse_args(loopback.rendezvous_argv(argv))
     watch = _RendezvousWatch(args, nnodes=nnodes) if nnodes > 1 else contextlib.nullcontext()
     try:
         with _quiet_worker_failures(), _single_rank_prefix(), watch:
             torchrun.run(args)
     except ChildFailedError as exc:
-        raise _worker_failure(exc) from None
+        raise _worker_failure(exc, killed_by=killed_by) from None
     except SignalException as exc:
         # the agent has already stopped the workers when this reaches us
         raise LaunchError(f"interrupted by {exc.sigval.name}; workers stopped", exit_code=128 + int(exc.sigval)) from None
@@ -218,9 +222,10 @@ def _run_torchrun(argv: list[str], *, nnodes: int = 1) -> None:
 # ----------------------------------------------------------------------------- a worker failed
 
 
-def _worker_failure(exc: object) -> LaunchError:
+def _worker_failure(exc: object, *, killed_by: Callable[..., str] | None = None) -> LaunchError:
     """The root cause, once: its rank and message (from the worker's report, see cpctl.runtime.process),
-    where its traceback is, and the exit line. cpctl exits with that worker's own code."""
+    where its traceback is, and the exit line. cpctl exits with that worker's own code. A worker
+    killed by a signal is named by `killed_by` (launch/failures.py: the OOM killer, or not)."""
     failures = exc.failures  # type: ignore[attr-defined]
     rank, failure = _root_cause(failures)
     report = _report(failure)
@@ -229,7 +234,8 @@ def _worker_failure(exc: object) -> LaunchError:
         # it raised, so was exiting with code 1, when the agent saw a peer gone and stopped it
         how, exit_code = "exited with code 1", 1
     elif code < 0:
-        how, exit_code = f"was killed by {failure.signal_name()}", 128 - code
+        name = failure.signal_name()
+        how, exit_code = f"was killed by {killed_by(name, pid=failure.pid) if killed_by else name}", 128 - code
     else:
         how, exit_code = f"exited with code {code}", code or 1
     first = None if report is None else report.get("after") or report  # the rank that failed first, maybe elsewhere

@@ -13,6 +13,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from cpctl.config.layers import PROFILE_ENV_VAR
+from cpctl.config.schema import FIT
 from cpctl.launch.accelerate_env import accelerate_env
 
 if TYPE_CHECKING:
@@ -82,7 +83,7 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
     for name, value, how in extra:
         row(name, [cell(value) if at_peak[m] else "" for m, _ in columns], how)
         hows.append((name, how))
-    verdict = "[green]fits[/]" if estimate.fits else "[bold red]does not fit[/]"
+    verdict = "[green]fits[/]" if estimate.fits_gpu else "[bold red]does not fit[/]"
     row("[bold]needed[/]", [f"[bold]{cell(estimate.needed)}[/]" if at_peak[m] else "" for m, _ in columns],
         f"of {estimate.gpu_memory_gib:g} GiB: {verdict}")
     out.print(table)
@@ -96,19 +97,30 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
             legend.add_row(name, how)
         out.print(legend)
     if estimate.host_bytes:
-        out.print(f"pinned host memory per GPU: {estimate.host_bytes / gib:.1f} GiB (offloaded blocks, each rounded up "
-                  "to a power of two by PyTorch's pinned allocator; keep it well below the machine's RAM / GPUs)",)
+        per_machine = setup.gpus_per_node
+        gpus = f"{per_machine} GPU{'s' if per_machine > 1 else ''} x " if per_machine > 1 else ""
+        line = (f"host memory per machine: {gpus}({estimate.host_bytes / gib:.1f} GiB offloaded at its exact size + "
+                f"~{planner.WORKER_HOST_GIB:g} GiB a worker) = {estimate.host_needed / gib:.1f} GiB")
+        if estimate.host_memory_gib is not None:
+            verdict = "[green]fits[/]" if estimate.fits_host else "[bold red]does not fit: host memory[/]"
+            line += f" of {estimate.host_memory_gib:.1f} GiB: {verdict}"
+        out.print(line, soft_wrap=True)
 
     if result.suggestions:
         out.print()
-        out.print(f"[bold]To fit {seq} tokens[/] (GiB needed per GPU):")
+        memory = "GPU and host memory" if not estimate.fits_host else "GiB needed per GPU"
+        out.print(f"[bold]To fit {seq} tokens[/] ({memory}):")
         advice = Table(show_edge=False, show_header=False, box=None, padding=(0, 2))
         advice.add_column()
         advice.add_column(justify="right")
+        advice.add_column(justify="right")
         advice.add_column()
         for item in result.suggestions:
-            advice.add_row(escape(item.what), f"{item.estimate.needed / gib:.1f} GiB",
-                           "[green]fits[/]" if item.estimate.fits else "[red]does not fit[/]")
+            found = item.estimate
+            host = f"host {found.host_needed / gib:.1f} GiB" if not estimate.fits_host else ""
+            verdict = "[green]fits[/]" if found.fits else "[red]does not fit[/]" if found.fits_host else \
+                "[red]does not fit: host memory[/]"
+            advice.add_row(escape(item.what), f"{found.needed / gib:.1f} GiB", host, verdict)
         out.print(advice)
 
     out.print()
@@ -194,6 +206,15 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None, note
     api, source = resolved.profile.launch.script_api, resolved.sources.get("launch.script_api", "default")
     why = f"auto: {source[len('auto ('):-1]}" if source.startswith("auto (") else source
     out.print(f"[bold]Script[/]: {SCRIPT_APIS[api]} (launch.script_api {api}; {escape(why)})", soft_wrap=True)
+    memory = resolved.profile.memory
+    if resolved.profile.fsdp.activation_checkpointing and memory.checkpoint_level == "mixed":
+        if memory.selective_blocks == FIT:
+            chosen = ("as many blocks as fit, chosen at the first step from cpctl plan's memory model for this GPU "
+                      "and the step's length (`cpctl plan --model M --seq-len S --checkpoint-level mixed` shows the "
+                      "count; --selective-blocks N pins it)")
+        else:
+            chosen = f"the last {memory.selective_blocks} blocks"
+        out.print(f"Checkpointing: selective for {escape(chosen)}, full for the rest.", soft_wrap=True)
 
     profile = resolved.profile
     world, nproc = profile.world_size, profile.launch.nproc_per_node
@@ -242,6 +263,9 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None, note
     out.print()
     out.print("[bold]Worker command[/] (what cpctl launch runs, as a shell line):")
     out.print(plan.command_line(), markup=False, highlight=False, soft_wrap=True)
+    if "--standalone" in plan.torchrun_args:
+        out.print("[dim]cpctl launch binds the rendezvous stores of --standalone to 127.0.0.1 only; plain torchrun "
+                  "listens on every interface.[/]", soft_wrap=True)
     out.print(
         f"[dim]The resolved profile reaches every worker as JSON in {PROFILE_ENV_VAR}; "
         "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.[/]",

@@ -224,6 +224,8 @@ def _ask_all(ask: _Asker) -> None:
     ask.confirm("fsdp.activation_checkpointing", default=False)
     if answers["fsdp.activation_checkpointing"]:  # a level of nothing otherwise
         ask.select("memory.checkpoint_level", default="full")
+        if answers["memory.checkpoint_level"] == "mixed":
+            ask.text("memory.selective_blocks", default=KEYS["memory.selective_blocks"].default)
     if ask.gate("Long sequences: set the memory options (loss chunks, tiled MLP, offload)?", default=False):
         ask.text("memory.loss_chunk_tokens", default=KEYS["memory.loss_chunk_tokens"].default)
         ask.text("memory.tiled_mlp_tokens", "0 = off", default=0)
@@ -232,7 +234,8 @@ def _ask_all(ask: _Asker) -> None:
                 ask.confirm("memory.offload_activations", default=False)
             ask.confirm("memory.cpu_offload", default=False)
     placed = set(answers) | {"launch.node_rank", "launch.rdzv_endpoint", "parallelism.cp_comm_strategy",
-                             "parallelism.cp_load_balance", "memory.checkpoint_level", "parallelism.cp_engine",
+                             "parallelism.cp_load_balance", "memory.checkpoint_level", "memory.selective_blocks",
+                             "parallelism.cp_engine",
                              *MEMORY_OPTIONS}
     for path, spec in KEYS.items():
         if spec.spec.prompt and path not in placed:

@@ -42,6 +42,7 @@ from cpctl.planner.fit import (
     DEFAULT_GPU_MEMORY_GIB,
     MAX_GPUS,
     MAX_TOKENS,
+    WORKER_HOST_GIB,
     Estimate,
     estimate,
     gpus_needed,
@@ -56,7 +57,7 @@ from cpctl.planner.units import GiB, format_tokens, parse_number, parse_tokens
 
 __all__ = [
     "ALLOCATOR_HEADROOM", "BLOCK_MOMENTS", "CUDA_OVERHEAD_GIB", "DEFAULT_GPU_MEMORY_GIB", "FP32", "GPU_COUNTS", "GiB",
-    "MAX_GPUS", "MAX_TOKENS", "MEMORY_OPTIONS", "MOMENTS", "PRESETS", "TERMS", "Estimate", "ModelShape", "Plan",
+    "MAX_GPUS", "MAX_TOKENS", "MEMORY_OPTIONS", "MOMENTS", "PRESETS", "TERMS", "WORKER_HOST_GIB", "Estimate", "ModelShape", "Plan",
     "Resolved", "Setup", "Sizes", "Suggestion", "Term", "all_free_options", "available_options", "estimate",
     "format_tokens", "gpus_needed", "host_memory", "load_model", "longest_fitting", "make_plan", "model_from_hf_config",
     "option_names", "parse_number", "parse_tokens", "peak_gib", "resolve_setup", "suggestions",

@@ -25,6 +25,10 @@ DEFAULT_GPU_MEMORY_GIB = 141.0  # an H200
 # share of the peak for the caching allocator's fragments puts that edge at 128.5 GiB.
 CUDA_OVERHEAD_GIB = 2.5
 ALLOCATOR_HEADROOM = 0.078  # share of the peak
+# Host memory a CUDA worker holds besides what it offloads (CUDA context, torch and its libraries,
+# the data loader): an estimate, counted per worker process of a machine when its offloaded
+# tensors are checked against the machine's memory.
+WORKER_HOST_GIB = 4.0
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class Estimate:
     seq_len: int
     gpu_memory_gib: float
     terms: tuple[Term, ...]
+    host_memory_gib: float | None = None  # the machine's; None: host memory is not checked
 
     def total(self, moment: str) -> float:
         return sum(term.at[moment] for term in self.terms)
@@ -65,8 +70,24 @@ class Estimate:
         return self.peak + self.headroom + self.overhead
 
     @property
-    def fits(self) -> bool:
+    def fits_gpu(self) -> bool:
         return self.needed <= self.gpu_memory_gib * GiB
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_gpu and self.fits_host
+
+    @property
+    def host_needed(self) -> float:
+        """Host memory per machine for what its workers keep there (0 without offload options): each
+        GPU's offloaded tensors plus WORKER_HOST_GIB, times the GPUs of a machine."""
+        if not self.host_bytes:
+            return 0.0
+        return self.setup.gpus_per_node * (self.host_bytes + WORKER_HOST_GIB * GiB)
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_memory_gib is None or self.host_needed <= self.host_memory_gib * GiB
 
     @property
     def local_tokens(self) -> int:
@@ -86,28 +107,56 @@ class Estimate:
             "peak_moment": self.peak_moment, "peak_gib": round(self.peak / GiB, 3),
             "allocator_headroom_gib": round(self.headroom / GiB, 3), "cuda_overhead_gib": CUDA_OVERHEAD_GIB,
             "needed_gib": round(self.needed / GiB, 3), "gpu_memory_gib": self.gpu_memory_gib, "fits": self.fits,
-            "host_gib": round(self.host_bytes / GiB, 3),
+            "host_gib": round(self.host_bytes / GiB, 3), "host_needed_gib": round(self.host_needed / GiB, 3),
+            "host_memory_gib": self.host_memory_gib, "fits_gpu": self.fits_gpu, "fits_host": self.fits_host,
         }
 
 
-def estimate(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB) -> Estimate:
-    """The memory per GPU of one training step of `model` on `seq_len`-token sequences."""
+def estimate(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
+             host_memory_gib: float | None = None) -> Estimate:
+    """The memory per GPU of one training step of `model` on `seq_len`-token sequences.
+
+    Under checkpoint_level mixed without a count, the count is chosen here: the most selective
+    blocks that fit (`estimate(...).setup.selective_blocks` is the count chosen)."""
     if seq_len < 1:
         raise CpctlError(f"sequence length must be at least 1 token, got {seq_len}")
+    if setup.activation_checkpointing and setup.checkpoint_level == "mixed" and setup.selective_blocks is None:
+        return most_selective_blocks(model, setup, seq_len, gpu_memory_gib=gpu_memory_gib,
+                                     host_memory_gib=host_memory_gib)
     sizes = Sizes(model, setup, seq_len)
-    return Estimate(model, setup, seq_len, gpu_memory_gib, tuple(term(sizes) for term in TERMS))
+    return Estimate(model, setup, seq_len, gpu_memory_gib, tuple(term(sizes) for term in TERMS), host_memory_gib)
+
+
+def most_selective_blocks(model: ModelShape, setup: Setup, seq_len: int, *,
+                          gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB, host_memory_gib: float | None = None
+                          ) -> Estimate:
+    """The estimate with the most selective blocks (the last ones) that fit, the others fully
+    recomputed; with none (full checkpointing) when not even that fits."""
+
+    def with_count(count: int) -> Estimate:
+        chosen = dataclasses.replace(setup, checkpoint_level="mixed", selective_blocks=count)
+        return estimate(model, chosen, seq_len, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
+
+    low, high = 0, model.n_layers  # memory grows with the count: find the largest that fits
+    if with_count(high).fits:
+        return with_count(high)
+    while high - low > 1:  # with_count(high) does not fit; low fits, or is 0
+        middle = (low + high) // 2
+        low, high = (middle, high) if with_count(middle).fits else (low, middle)
+    return with_count(low)
 
 
 def peak_gib(model: ModelShape, setup: Setup, seq_len: int) -> float:
     return estimate(model, setup, seq_len).peak / GiB
 
 
-def longest_fitting(model: ModelShape, setup: Setup, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB) -> int:
+def longest_fitting(model: ModelShape, setup: Setup, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
+                    host_memory_gib: float | None = None) -> int:
     """The longest sequence (a multiple of 1024 and of 2 x cp x sp) that fits; 0 if none does."""
     unit = math.lcm(1024, 2 * setup.seq_ranks)
 
     def fits(units: int) -> bool:
-        return estimate(model, setup, units * unit, gpu_memory_gib=gpu_memory_gib).fits
+        return estimate(model, setup, units * unit, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib).fits
 
     if not fits(1):
         return 0
@@ -122,13 +171,14 @@ def longest_fitting(model: ModelShape, setup: Setup, *, gpu_memory_gib: float = 
     return low * unit
 
 
-def gpus_needed(model: ModelShape, setup: Setup, seq_len: int, *,
-                gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB) -> Estimate | None:
+def gpus_needed(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
+                host_memory_gib: float | None = None) -> Estimate | None:
     """The smallest power-of-two GPU count (all on CP) on which `seq_len` fits, or None."""
     gpus = 1
     while gpus <= MAX_GPUS:
         if seq_len * setup.batch >= gpus:
-            found = estimate(model, setup.with_cp(gpus), seq_len, gpu_memory_gib=gpu_memory_gib)
+            found = estimate(model, setup.with_cp(gpus), seq_len, gpu_memory_gib=gpu_memory_gib,
+                             host_memory_gib=host_memory_gib)
             if found.fits:
                 return found
         gpus *= 2

@@ -61,12 +61,13 @@ def all_free_options(setup: Setup) -> dict[str, Any]:
 
 
 def make_plan(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
-              available: frozenset[str] = frozenset()) -> Plan:
-    base = estimate(model, setup, seq_len, gpu_memory_gib=gpu_memory_gib)
+              host_memory_gib: float | None = None, available: frozenset[str] = frozenset()) -> Plan:
+    memory = {"gpu_memory_gib": gpu_memory_gib, "host_memory_gib": host_memory_gib}
+    base = estimate(model, setup, seq_len, **memory)
     free = all_free_options(setup)
     better = dataclasses.replace(setup, **free)
-    longest = [(gpus, longest_fitting(model, setup.with_cp(gpus), gpu_memory_gib=gpu_memory_gib),
-                longest_fitting(model, better.with_cp(gpus), gpu_memory_gib=gpu_memory_gib) if free else None)
+    longest = [(gpus, longest_fitting(model, setup.with_cp(gpus), **memory),
+                longest_fitting(model, better.with_cp(gpus), **memory) if free else None)
                for gpus in GPU_COUNTS]
     layouts = [(gpus, choose_layout(model, gpus=gpus)) for gpus in GPU_COUNTS]
     longest_sp = [(gpus, lay, longest_fitting(model, setup.with_sp(gpus, lay.sp), gpu_memory_gib=gpu_memory_gib))
@@ -75,7 +76,7 @@ def make_plan(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: 
         model=model, estimate=base, longest_sp=longest_sp,
         layout=choose_layout(model, gpus=setup.seq_ranks, tp=setup.tp),
         suggestions=[] if base.fits else suggestions(base, available=available),
-        longest=longest, needed=gpus_needed(model, setup, seq_len, gpu_memory_gib=gpu_memory_gib),
-        needed_all=gpus_needed(model, better, seq_len, gpu_memory_gib=gpu_memory_gib) if free else None,
+        longest=longest, needed=gpus_needed(model, setup, seq_len, **memory),
+        needed_all=gpus_needed(model, better, seq_len, **memory) if free else None,
         all_options=free,
     )

@@ -17,6 +17,7 @@ class Setup:
     """What a plan is for: the layout and the memory options of a resolved profile."""
 
     gpus: int = 1
+    gpus_per_node: int = 1  # workers on one machine: they share its host memory
     cp: int = 1
     sp: int = 1  # Ulysses: heads split inside attention, the cp rank's tokens split outside it
     dp_shard: int = 1
@@ -24,7 +25,8 @@ class Setup:
     strategy: str = "allgather"
     precision: str = "bf16"  # bf16 | fp16 | no
     activation_checkpointing: bool = True
-    checkpoint_level: str = "full"  # selective: attention's saved tensors are kept, not recomputed
+    checkpoint_level: str = "full"  # selective: attention's saved tensors are kept, not recomputed; mixed: a mix
+    selective_blocks: int | None = None  # under mixed: how many blocks (the last ones) are selective; None: as fit
     reshard_after_forward: bool = True
     chunked_loss: bool = False
     loss_chunk_tokens: int = 4096
@@ -39,24 +41,28 @@ class Setup:
     def from_profile(cls, profile: Any, *, chunked_loss: bool = False, batch: int = 1) -> Setup:
         memory = profile.memory
         return cls(
-            gpus=profile.world_size, cp=profile.parallelism.cp_size, sp=getattr(profile.parallelism, "sp_size", 1),
+            gpus=profile.world_size, gpus_per_node=profile.launch.nproc_per_node, cp=profile.parallelism.cp_size,
+            sp=getattr(profile.parallelism, "sp_size", 1),
             dp_shard=profile.parallelism.dp_shard_size,
             tp=profile.parallelism.tp_size, strategy=profile.parallelism.cp_comm_strategy,
             precision=profile.fsdp.mixed_precision, activation_checkpointing=profile.fsdp.activation_checkpointing,
             reshard_after_forward=profile.fsdp.reshard_after_forward, chunked_loss=chunked_loss,
             checkpoint_level=getattr(memory, "checkpoint_level", "full"),
+            selective_blocks=_count_or_none(getattr(memory, "selective_blocks", None)),
             loss_chunk_tokens=memory.loss_chunk_tokens, tiled_mlp_tokens=getattr(memory, "tiled_mlp_tokens", 0),
             offload_activations=getattr(memory, "offload_activations", False),
             cpu_offload=getattr(memory, "cpu_offload", False), batch=batch,
         )
 
     def with_cp(self, gpus: int) -> Setup:
-        """All `gpus` on CP: one FSDP shard per CP rank, no TP or replicas."""
-        return dataclasses.replace(self, gpus=gpus, cp=gpus, sp=1, dp_shard=1, tp=1)
+        """All `gpus` on CP: one FSDP shard per CP rank, no TP or replicas; machines of this many GPUs."""
+        return dataclasses.replace(self, gpus=gpus, cp=gpus, sp=1, dp_shard=1, tp=1,
+                                   gpus_per_node=min(gpus, max(self.gpus_per_node, 1)))
 
     def with_sp(self, gpus: int, sp: int) -> Setup:
         """All `gpus` split sequences: Ulysses over `sp` of them, the ring over the rest."""
-        return dataclasses.replace(self, gpus=gpus, cp=gpus // sp, sp=sp, dp_shard=1, tp=1)
+        return dataclasses.replace(self, gpus=gpus, cp=gpus // sp, sp=sp, dp_shard=1, tp=1,
+                                   gpus_per_node=min(gpus, max(self.gpus_per_node, 1)))
 
     @property
     def seq_ranks(self) -> int:
@@ -71,7 +77,7 @@ class Setup:
                    + (f" x dp_replicate {self.gpus // others}" if self.gpus > others else ""),
                    (self.strategy if self.cp > 1 else "no CP") + (", Ulysses" if self.sp > 1 else ""),
                    {"no": "fp32"}.get(self.precision, self.precision),
-                   f"activation checkpointing {'off' if not self.activation_checkpointing else 'on' if self.checkpoint_level == 'full' else self.checkpoint_level}",
+                   f"activation checkpointing {self._checkpointing()}",
                    f"loss chunked ({self.loss_chunk_tokens} tokens)" if self.chunked_loss else "full logits in the loss"]
         if not self.reshard_after_forward:
             options.append("blocks stay gathered after forward")
@@ -83,8 +89,20 @@ class Setup:
             options.append("parameters and optimizer on CPU")
         return ", ".join(options)
 
+    def _checkpointing(self) -> str:
+        if not self.activation_checkpointing:
+            return "off"
+        if self.checkpoint_level == "mixed":
+            count = "as many as fit" if self.selective_blocks is None else f"the last {self.selective_blocks}"
+            return f"selective for {count} blocks, full for the rest"
+        return "on" if self.checkpoint_level == "full" else self.checkpoint_level
 
-MEMORY_OPTIONS = ("checkpoint_level", "tiled_mlp_tokens", "offload_activations", "cpu_offload")  # read where the profile has them
+
+def _count_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+MEMORY_OPTIONS = ("checkpoint_level", "selective_blocks", "tiled_mlp_tokens", "offload_activations", "cpu_offload")  # read where the profile has them
 
 
 def available_options() -> frozenset[str]:

@@ -154,10 +154,22 @@ def mlp_saved_per_token(z: Sizes) -> float:
 
 
 def selective_kept_per_token(z: Sizes) -> float:
-    """Per token, what the selective level keeps of a block beyond its input: attention's saved
+    """Per token, what one block at the selective level keeps beyond its input: attention's saved
     tensors (q, k, v, out, log-sum-exp); its norm is recomputed."""
-    selective = z.setup.activation_checkpointing and z.setup.checkpoint_level == "selective"
-    return attention_saved_per_token(z) - _norm_saved(z) if selective else 0.0
+    return attention_saved_per_token(z) - _norm_saved(z)
+
+
+def selective_layers(z: Sizes) -> int:
+    """How many blocks keep attention's tensors: all at the selective level; under mixed the last
+    `selective_blocks` (the first ones backward reaches), the others fully recomputed."""
+    setup = z.setup
+    if not setup.activation_checkpointing:
+        return 0
+    if setup.checkpoint_level == "selective":
+        return z.model.n_layers
+    if setup.checkpoint_level == "mixed":
+        return min(setup.selective_blocks or 0, z.model.n_layers)
+    return 0
 
 
 def block_saved_per_token(z: Sizes) -> float:
@@ -171,25 +183,31 @@ def _mlp_tile_share(z: Sizes) -> float:
 
 
 def activations(z: Sizes) -> Term:
-    """With checkpointing: each block's input (the residual stream), bf16; the final norm's and
-    head's inputs until the loss's backward. Without: every block's saved activations."""
+    """With checkpointing: each block's input (the residual stream), bf16, and what the selective
+    blocks keep of attention; the final norm's and head's inputs until the loss's backward.
+    Without: every block's saved activations."""
     model, tokens = z.model, z.local_tokens
+    kept, selective = selective_kept_per_token(z), selective_layers(z)
     if z.setup.activation_checkpointing:
-        per_layer = z.act * model.dim + selective_kept_per_token(z)
+        held = min(model.n_layers, 2) if z.setup.offload_activations else model.n_layers
+        # backward reaches the selective blocks (the last ones) first
+        blocks = (held * z.act * model.dim + min(held, selective) * kept) * tokens
+        last_block = (z.act * model.dim + (kept if selective == model.n_layers else 0)) * tokens
     else:
         per_layer = block_saved_per_token(z)
-    layers_held = min(model.n_layers, 2) if z.setup.offload_activations else model.n_layers
-    blocks = layers_held * per_layer * tokens
-    last_block = per_layer * tokens  # the first layer's own, all that is left
+        blocks, last_block = model.n_layers * per_layer * tokens, per_layer * tokens
     head_inputs = 0 if z.setup.offload_activations else _norm_saved(z) * tokens
     if z.setup.activation_checkpointing:
         how = f"{model.n_layers} block inputs, {z.dtype}; the head's inputs"
-        if z.setup.checkpoint_level == "selective":
+        if selective == model.n_layers:
             how = f"{model.n_layers} block inputs and attention's q, k, v, out (selective); the head's inputs"
+        elif selective:
+            how = (f"{model.n_layers} block inputs, attention's q, k, v, out in the last {selective} (selective, "
+                   f"the other {model.n_layers - selective} full); the head's inputs")
     else:
         how = f"all {model.n_layers} blocks' activations (no checkpointing)"
     if z.setup.offload_activations:
-        how = f"in pinned CPU memory (offload_activations); {layers_held} layers' worth back at a time"
+        how = f"in host memory (offload_activations); {min(model.n_layers, 2)} layers' worth back at a time"
     return Term("activations for backward", _at(blocks + head_inputs, mlp=blocks, last=last_block), how)
 
 
@@ -200,7 +218,9 @@ def attention_working_set(z: Sizes) -> Term:
     that size (allgather), or two K/V blocks and their gradients in flight (alltoall)."""
     model, tp, tokens = z.model, z.setup.tp, z.local_tokens
     # The selective level recomputes the norm only: attention's own tensors are in `activations`.
-    recomputed = (attention_saved_per_token(z) - selective_kept_per_token(z)) * tokens if z.setup.activation_checkpointing else 0
+    # (the first block backward reaches, the last layer, is a selective one if any is)
+    kept = selective_kept_per_token(z) if selective_layers(z) else 0
+    recomputed = (attention_saved_per_token(z) - kept) * tokens if z.setup.activation_checkpointing else 0
     grads = (z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.q_dim / tp + z.act * model.dim) * tokens
     # then the block's input norm differentiates in fp32: about 4 tensors of model width
     norm_backward = 4 * FP32 * model.dim * tokens
@@ -253,18 +273,27 @@ def loss(z: Sizes) -> Term:
                 f"chunks of {chunk} tokens x vocab x 16 B; head's fp32 gradient")
 
 
-def _pinned_block(size: float) -> float:
-    """PyTorch's pinned host allocator rounds each block up to a power of two."""
-    return float(2 ** math.ceil(math.log2(size))) if size > 0 else 0.0
+def offloaded_per_token(z: Sizes) -> float:
+    """Per token, what the offload of saved activations moves to host memory: each block's input
+    (and what the selective level keeps), the final norm's saved tensors (its fp32 input, kept
+    once, its normalized output and the inverse RMS), the token ids and position ids (int64), and,
+    when the logits are made in the forward, the head's input (and with model(labels=...).loss
+    the fp32 log-softmax). Parameters are not copied: FSDP gathers them again for backward. (A
+    Hugging Face model's rotary cos and sin, 4 bytes per head dim, are not counted.)"""
+    model = z.model
+    blocks = model.n_layers * z.act * model.dim + selective_layers(z) * selective_kept_per_token(z)
+    head = FP32 * model.dim + z.act * model.dim + FP32 + 2 * 8
+    if not z.setup.chunked_loss:
+        head += z.act * model.dim + (0 if z.setup.logits_kept else FP32 * model.vocab_size)
+    return blocks + head
 
 
 def host_memory(z: Sizes) -> float:
-    """Pinned host memory: each offloaded block's saved tensors (the block input, and what the
-    selective level keeps), and with cpu_offload the sharded parameters, gradients and AdamW state."""
+    """Host memory per GPU: the offloaded activations, each at its exact size (cpctl allocates
+    them so), and with cpu_offload the sharded parameters, gradients and AdamW state."""
     host = 0.0
     if z.setup.offload_activations and z.setup.activation_checkpointing:
-        per_layer = z.act * z.model.dim + selective_kept_per_token(z)
-        host += z.model.n_layers * _pinned_block(per_layer * z.local_tokens)
+        host += offloaded_per_token(z) * z.local_tokens
     if z.setup.cpu_offload:
         host += 4 * FP32 * z.params_per_gpu
     return host

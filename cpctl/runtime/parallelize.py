@@ -70,13 +70,16 @@ def huggingface_tp_plan(model: nn.Module) -> dict | None:
 
 
 def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module, *,
-                                   contexts: Callable[[], tuple[AbstractContextManager, AbstractContextManager]]) -> None:
-    """Wrap each block so its activations are recomputed in backward.
+                                   contexts: Callable[[int], tuple[AbstractContextManager, AbstractContextManager]]
+                                   ) -> list[nn.Module]:
+    """Wrap each block so its activations are recomputed in backward; returns the wrappers, in
+    the order of `blocks`.
 
-    `contexts()` is called at each block call and gives the contexts entered around its
-    forward and around its recompute: the recompute runs inside backward, where the forward's
-    SDPA routing is no longer active, and must compute attention the same way (across the CP
-    group) again, or (selective level) reuse what the forward's attention returned.
+    `contexts(index)` is called at each call of block `index` (its place in `blocks`) and gives
+    the contexts entered around its forward and around its recompute: the recompute runs inside
+    backward, where the forward's SDPA routing is no longer active, and must compute attention
+    the same way (across the CP group) again, or (selective level) reuse what the forward's
+    attention returned.
     """
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         checkpoint_wrapper,
@@ -84,11 +87,15 @@ def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module, *,
 
     # Find every (parent, name) first: wrapping while walking the tree would find each
     # block again inside its own wrapper.
-    slots = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-             if any(child is block for block in blocks)]
-    for parent, name in slots:
-        parent.register_module(name, checkpoint_wrapper(getattr(parent, name), preserve_rng_state=False,
-                                                        context_fn=contexts))
+    index = {id(block): position for position, block in enumerate(blocks)}
+    slots = [(parent, name, index[id(child)]) for parent in model.modules() for name, child in parent.named_children()
+             if id(child) in index]
+    wrappers: dict[int, nn.Module] = {}
+    for parent, name, position in slots:
+        wrappers[position] = checkpoint_wrapper(getattr(parent, name), preserve_rng_state=False,
+                                                context_fn=functools.partial(contexts, position))
+        parent.register_module(name, wrappers[position])
+    return [wrappers[position] for position in sorted(wrappers)]
 
 
 def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[nn.Module],
@@ -117,23 +124,6 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[n
                     reshard_after_forward=fsdp.reshard_after_forward)
     # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
-
-
-def offload_saved_activations(model: nn.Module) -> None:
-    """Everything autograd saves during the model's forward goes to pinned CPU memory and comes
-    back for backward (PyTorch's save_on_cpu); with activation checkpointing that is the block
-    inputs, the bulk of what a long sequence keeps between forward and backward."""
-    from torch.autograd.graph import save_on_cpu
-
-    def enter(module, args):
-        module._cpctl_save_on_cpu = save_on_cpu(pin_memory=True)
-        module._cpctl_save_on_cpu.__enter__()
-
-    def leave(module, args, output):
-        module._cpctl_save_on_cpu.__exit__(None, None, None)
-
-    model.register_forward_pre_hook(enter)
-    model.register_forward_hook(leave)
 
 
 def tiled_forward(forward: Callable[..., torch.Tensor], tile_tokens: int, name: str,

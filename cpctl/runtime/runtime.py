@@ -34,6 +34,7 @@ from cpctl.errors import CpctlError
 from cpctl.integrations import huggingface
 from cpctl.runtime import documents as packing
 from cpctl.runtime import guards, losses, process
+from cpctl.runtime.checkpoint_levels import BlockLevels
 from cpctl.runtime.loader import EpochDataLoader, ResumableSampler
 from cpctl.runtime.mesh import build_mesh
 from cpctl.runtime.parallelize import (
@@ -42,8 +43,8 @@ from cpctl.runtime.parallelize import (
     apply_tensor_parallel,
     apply_tiled_mlp,
     find_blocks,
-    offload_saved_activations,
 )
+from cpctl.runtime.pinned import HostArena, offload_saved_activations
 from cpctl.runtime.selective import AttentionMemo
 from cpctl.versions import require_torch
 
@@ -64,6 +65,8 @@ class Runtime:
     cp_balance: float | None = None  # slowest CP rank's attention work / mean, this step (packed documents)
     _balance_logged: bool = False
     _memo: AttentionMemo | None = None  # the checkpointed block whose attention outputs are kept (selective level)
+    _host_arena: HostArena | None = None  # host memory of the offloaded activations (memory.offload_activations)
+    _levels: BlockLevels | None = None  # which checkpointed blocks are selective (memory.checkpoint_level)
     caller_counts_tokens: bool = False  # inside caller_counts_loss_tokens(): a model may take num_items_in_batch
     attention_calls: int = 0  # calls of the CP engine so far (a model's attention can be seen to go through it)
 
@@ -177,8 +180,16 @@ class Runtime:
     def finish_model(self, model: nn.Module) -> nn.Module:
         """What prepare_model does after FSDP: the offload of saved activations."""
         if self.config.memory.offload_activations:
-            offload_saved_activations(model)
+            offload_saved_activations(model, arena=self.host_arena)
         return model
+
+    @property
+    def host_arena(self) -> HostArena | None:
+        """Where offloaded activations wait for backward (with memory.offload_activations): its
+        `peak_bytes` is the host memory they took, `cpctl plan`'s "pinned host memory"."""
+        if self._host_arena is None and self.config.memory.offload_activations:
+            self._host_arena = HostArena(self.device)
+        return self._host_arena
 
     def _adopt(self, model: nn.Module) -> bool:
         """A Hugging Face model's attention through cpctl (at every cp size); whether it is to be checkpointed."""
@@ -194,26 +205,41 @@ class Runtime:
         if self.config.memory.tiled_mlp_tokens:  # before checkpointing wraps the blocks
             apply_tiled_mlp(found, tile_tokens=self.config.memory.tiled_mlp_tokens)
         if checkpointing:
-            apply_activation_checkpointing(found, model, contexts=self._checkpoint_contexts)
+            self._levels = BlockLevels(self.config, blocks=len(found), model=model, device=self.device)
+            wrappers = apply_activation_checkpointing(found, model, contexts=self._checkpoint_contexts)
+            if self._levels.choosing and wrappers:  # before its level is asked for: the step's shape
+                wrappers[0].register_forward_pre_hook(self._observe_first_block, with_kwargs=True)
             found = find_blocks(model) if blocks is None else found
         return found
 
-    def _checkpoint_contexts(self) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
-        """Called at each checkpointed block call: the contexts around its forward and its recompute.
+    def _observe_first_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        levels = self._levels
+        if levels is not None:
+            levels.observe(args[0] if args else kwargs.get("hidden_states"))
 
-        The recompute is routed as the forward was; at the selective level the forward records
-        its attention outputs and the recompute replays them, so attention runs once. The
-        recompute context is entered once per recompute (a backward with retain_graph
-        recomputes again), so each entry makes its contexts anew.
+    @property
+    def selective_blocks(self) -> int | None:
+        """How many checkpointed blocks (the last ones) keep attention's tensors, as of the last
+        step (memory.checkpoint_level); None without activation checkpointing."""
+        return None if self._levels is None else self._levels.count
+
+    def _checkpoint_contexts(self, index: int) -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        """Called at each call of checkpointed block `index`: the contexts around its forward and its recompute.
+
+        The recompute is routed as the forward was; at the selective level (in the blocks
+        checkpoint_level makes selective) the forward records its attention outputs and the
+        recompute replays them, so attention runs once. The recompute context is entered once
+        per recompute (a backward with retain_graph recomputes again), so each entry makes its
+        contexts anew.
         """
         active, documents = self._cp_active, self._documents
 
         def routing() -> contextlib.AbstractContextManager:
             return self._routing(documents) if active else contextlib.nullcontext()
 
-        if self.config.memory.checkpoint_level == "full":
+        if self._levels is None or not self._levels.selective(index):
             return contextlib.nullcontext(), _EachEntry(routing)
-        memo = AttentionMemo(offload=self.config.memory.offload_activations)
+        memo = AttentionMemo(arena=self.host_arena)
         return (self._using_memo(memo, memo.recording()),
                 _EachEntry(lambda: self._using_memo(memo, routing(), memo.replay())))
 

@@ -20,10 +20,11 @@ from contextlib import AbstractContextManager
 
 import torch
 import torch.nn.functional as F
-from torch.autograd.graph import save_on_cpu, saved_tensors_hooks
+from torch.autograd.graph import saved_tensors_hooks
 from torch.overrides import TorchFunctionMode
 
 from cpctl.errors import CpctlError
+from cpctl.runtime.pinned import HostArena, Packed
 
 
 def keep_on_device() -> AbstractContextManager:
@@ -34,13 +35,13 @@ def keep_on_device() -> AbstractContextManager:
 class AttentionMemo:
     """One checkpointed block call's attention outputs: recorded in its forward, replayed in its recompute.
 
-    With `offload`, what attention saves and the recorded outputs wait in pinned host memory,
+    With an `arena`, what attention saves and the recorded outputs wait in its host memory,
     like the rest of what the step keeps for backward (memory.offload_activations).
     """
 
-    def __init__(self, *, offload: bool = False):
-        self.offload = offload
-        self.outputs: list[tuple[torch.Tensor, torch.device, bool]] = []  # (kept, device, requires_grad)
+    def __init__(self, *, arena: HostArena | None = None):
+        self.arena = arena
+        self.outputs: list[Packed | tuple[torch.Tensor, bool]] = []  # host copies, or (kept, requires_grad)
         self.replaying = False
         self.replayed = 0
         self.depth = 0  # > 0 inside a recorded call: nested attention calls belong to it
@@ -52,14 +53,14 @@ class AttentionMemo:
             return self._next()
         self.depth += 1
         try:
-            with save_on_cpu(pin_memory=True) if self.offload else keep_on_device():
+            with self.arena.saved_tensors() if self.arena is not None else keep_on_device():
                 output = compute()
         finally:
             self.depth -= 1
-        kept = output.detach()
-        if self.offload:
-            kept = torch.empty(kept.shape, dtype=kept.dtype, pin_memory=True).copy_(kept, non_blocking=True)
-        self.outputs.append((kept, output.device, output.requires_grad))
+        if self.arena is not None:
+            self.outputs.append(self.arena.pack(output.detach().requires_grad_(output.requires_grad)))
+        else:
+            self.outputs.append((output.detach(), output.requires_grad))
         return output
 
     def _next(self) -> torch.Tensor:
@@ -67,10 +68,13 @@ class AttentionMemo:
             raise CpctlError("memory.checkpoint_level: selective: a block's recompute called attention more "
                              "often than its forward did (does the block branch on something that changed?); "
                              "use checkpoint_level: full")
-        kept, device, requires_grad = self.outputs[self.replayed]
+        kept = self.outputs[self.replayed]
         self.replayed += 1
+        if isinstance(kept, Packed):
+            return self.arena.unpack(kept).requires_grad_(kept.requires_grad)
         # Requiring grad as the original did: what the next ops save depends on it.
-        return kept.to(device, non_blocking=True).requires_grad_(requires_grad)
+        tensor, requires_grad = kept
+        return tensor.detach().requires_grad_(requires_grad)
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[None]:

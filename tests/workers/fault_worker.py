@@ -1,9 +1,13 @@
-"""Worker for tests/test_faults.py: `hang` (rank 1 stops answering before a collective the others
-wait in) or `sleep` (every rank writes its pid to argv[2] and sleeps, for killing the launcher)."""
+"""Worker for tests/test_faults.py and tests/test_checkpoint.py: `hang` (rank 1 stops answering
+before a collective the others wait in), `sleep` (every rank writes its pid to argv[2] and
+sleeps, for killing the launcher) or `train` (every rank writes its pid to
+argv[2]/rank{R}-attempt{A}.pid, then runs scripts/train_llama.py with the arguments after it:
+a test kills the rank it means, by pid)."""
 
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -16,6 +20,15 @@ if mode == "hang":
     if rt.rank == 1:
         time.sleep(3600)  # stuck in its own code, never reaching the collective
     dist.all_reduce(torch.ones(1))
+elif mode == "train":
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    written = Path(sys.argv[2]) / f"rank{rt.rank}-attempt{attempt}.pid"
+    written.with_suffix(".tmp").write_text(str(os.getpid()))
+    written.with_suffix(".tmp").replace(written)  # whole, or not there
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from train_llama import main
+
+    main(sys.argv[3:])
 elif mode == "sleep":
     with open(os.path.join(sys.argv[2], f"pid{rt.rank}"), "w") as f:
         f.write(str(os.getpid()))
