@@ -66,6 +66,8 @@ class Runtime:
     _balance_logged: bool = False
     _memo: AttentionMemo | None = None  # the checkpointed block whose attention outputs are kept (selective level)
     caller_counts_tokens: bool = False  # inside caller_counts_loss_tokens(): a model may take num_items_in_batch
+    context_entries: int = 0  # how many times maybe_context_parallel sharded buffers (cp_size > 1)
+    step_local_length: int | None = None  # the last such step's tokens per rank (padding included)
 
     # ------------------------------------------------------------------ coordinates
 
@@ -415,6 +417,8 @@ class Runtime:
             self._seq_lengths = {b.shape[d]: s.shape[d] for b, s, d in zip(buffers, shards, buffer_seq_dims)}
             if self._padding is not None:
                 self._seq_lengths[self._padding.padded] = shards[0].shape[buffer_seq_dims[0]]
+            self.context_entries += 1
+            self.step_local_length = shards[0].shape[buffer_seq_dims[0]] if shards else None
             for buffer, local in zip(buffers, shards):
                 keep = not any(buffer is t for t in no_restore)
                 originals.append(_alias(buffer) if keep else None)
