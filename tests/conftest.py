@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,3 +26,17 @@ def isolated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     work.mkdir()
     monkeypatch.chdir(work)
     return work
+
+
+@pytest.fixture(scope="session")
+def tiny_hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny local hub (model, tokenizer, texts) for unmodified ecosystem scripts: tests/workers/tiny_hub.py."""
+    import subprocess
+
+    from launching import REPO, TIMEOUT, launch_env
+
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("hub")
+    subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "tiny_hub.py"), str(out)], check=True,
+                   env=launch_env(out), capture_output=True, timeout=TIMEOUT)
+    return out

@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, TIMEOUT, cpctl, finish, launch_env, probed, probed_env
+from launching import TIMEOUT, cpctl, finish, launch_env, probed, probed_env
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -29,11 +29,8 @@ COMPARED = ("loss", "grad_norm", "entropy", "mean_token_accuracy", "num_tokens",
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("hub")
-    subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "tiny_hub.py"), str(out)], check=True,
-                   env=launch_env(out), capture_output=True, timeout=TIMEOUT)
-    return out
+def hub(tiny_hub: Path) -> Path:
+    return tiny_hub
 
 
 def sft_args(hub: Path, output_dir: Path, *extra: str) -> list[str]:

@@ -35,7 +35,7 @@ from typing import Any
 
 from cpctl import config
 from cpctl.errors import CpctlError
-from cpctl.integrations import trainer
+from cpctl.integrations import fsdp_saving, trainer
 from cpctl.integrations.patches import PATCHES
 from cpctl.versions import KNOWN_ACCELERATE, is_known
 
@@ -106,10 +106,11 @@ def install(profile: config.Profile, runtime: Any | None) -> None:
         PATCHES.replace(Accelerator, "gather_for_metrics", lambda original: _once_per_cp_group(original, runtime),
                         why="the CP ranks of a group hold the same samples: one copy each, as one process has")
     trainer.install(runtime)
+    fsdp_saving.install()
     for state in (PartialState, AcceleratorState):
         PATCHES.replace(state, "destroy_process_group", _closing, why="teardown as cpctl's exit does it")
     if profile.launch.device == "cpu":
-        _allow_cpu(profile)
+        _fsdp_on_cpu()
 
 
 def _checking_sizes(init: Any, profile: config.Profile) -> Any:
@@ -117,9 +118,17 @@ def _checking_sizes(init: Any, profile: config.Profile) -> Any:
 
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
-        given = signature.bind_partial(self, *args, **kwargs).arguments.get("parallelism_config")
+        arguments = signature.bind_partial(self, *args, **kwargs).arguments
+        given = arguments.get("parallelism_config")
         if given is not None:  # before accelerate reads it: the same message on every device
             _check_sizes(given, profile)
+        precision = arguments.get("mixed_precision")
+        wanted = profile.fsdp.mixed_precision
+        if precision is not None and str(getattr(precision, "value", precision)) != wanted:
+            precision = getattr(precision, "value", precision)
+            raise CpctlError(f"the script's Accelerator sets mixed_precision={precision!r} (profile: fsdp.mixed_precision "
+                             f"{wanted}); set it in one place: Accelerator() without it (it reads cpctl's), or cpctl "
+                             f"launch --mixed-precision {precision}")
         init(self, *args, **kwargs)
         if given is None:
             _check_sizes(getattr(self, "parallelism_config", None), profile)
@@ -196,27 +205,28 @@ def _once_per_cp_group(gather_for_metrics: Any, runtime: Any) -> Any:
     return gathered_once
 
 
-def _allow_cpu(profile: config.Profile) -> None:
-    """accelerate runs FSDP and its ParallelismConfig on accelerators only: on cpu (MULTI_CPU)
-    it replicates the model with DDP, which averages gradients over the same dp x cp ranks, and
-    cpctl's engine computes CP. Its one check that would refuse that is skipped there."""
-    from accelerate.parallelism_config import ParallelismConfig
+def _fsdp_on_cpu() -> None:
+    """accelerate applies FSDP (and ParallelismConfig's mesh) on accelerators only: on the CPU
+    (MULTI_CPU) it would replicate the model with DDP, whose wrapper hides `model.config` and
+    `save_pretrained`. cpctl's own route runs FSDP2 on the CPU with gloo; so does this one: the
+    state takes the FSDP plugin on the CPU exactly as it does on a GPU, and accelerate's FSDP2
+    preparation (device-agnostic) shards the model over the CPU mesh."""
+    from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
-    def validating(validate):
-        @functools.wraps(validate)
-        def validate_on_cpu(self, accelerator):
-            if accelerator.distributed_type != DistributedType.MULTI_CPU:
-                return validate(self, accelerator)
-            if self.total_size != accelerator.num_processes:  # what accelerate's own check would say first
-                raise CpctlError(f"the Accelerator's ParallelismConfig covers {self.total_size} processes, "
-                                 f"the job has {accelerator.num_processes}")
-            return None
+    def fsdp_too(init):
+        @functools.wraps(init)
+        def init_with_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+            init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+            if self.distributed_type == DistributedType.MULTI_CPU and fsdp_plugin is not None:
+                self.distributed_type = DistributedType.FSDP  # what the GPU branch of __init__ sets
+                if self._mixed_precision != "no":
+                    fsdp_plugin.set_mixed_precision(self._mixed_precision)
+                self.fsdp_plugin = fsdp_plugin
 
-        return validate_on_cpu
+        return init_with_fsdp
 
-    PATCHES.replace(ParallelismConfig, "_validate_accelerator", validating,
-                    why="on cpu, DDP over the dp x cp ranks with cpctl's engine computing CP")
+    PATCHES.replace(AcceleratorState, "__init__", fsdp_too, why="FSDP2 on the CPU (gloo), as on GPUs")
 
 
 def _closing(destroy: Any) -> Any:
