@@ -39,7 +39,7 @@ def sft_args(hub: Path, output_dir: Path, *extra: str) -> list[str]:
             "--per_device_eval_batch_size", "2", "--learning_rate", "0.01", "--lr_scheduler_type", "constant",
             "--logging_steps", "1", "--eval_strategy", "steps", "--eval_steps", str(STEPS), "--bf16", "false",
             "--gradient_checkpointing", "false", "--report_to", "none", "--disable_tqdm", "true", "--seed", "0",
-            "--save_strategy", "steps", "--save_steps", str(STEPS), "--save_only_model", "true", *extra]
+            "--save_strategy", "steps", "--save_steps", str(STEPS), *extra]
 
 
 def logged(output_dir: Path) -> list[dict]:
