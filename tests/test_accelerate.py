@@ -262,3 +262,45 @@ def test_an_accelerate_config_file_is_read_or_refused_by_name(tmp_path: Path) ->
     code, out, err = finish(cpctl("--config", str(deepspeed), "--dry-run", str(SCRIPT), tmp_path=tmp_path))
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert "distributed_type: DEEPSPEED: cpctl shards with FSDP2" in err
+
+
+GUIDE_SNIPPET = """\
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ParallelismConfig
+from transformers import LlamaConfig, LlamaForCausalLM
+
+accelerator = Accelerator(parallelism_config=ParallelismConfig())
+model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+optimizer = torch.optim.AdamW(model.parameters())
+model, optimizer = accelerator.prepare(model, optimizer)
+ids = torch.randint(128, (2, 64), generator=torch.Generator().manual_seed(0))
+batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+with accelerator.maybe_context_parallel(
+    buffers=[batch["input_ids"], batch["attention_mask"]],
+    buffer_seq_dims=[1, 1],
+    no_restore_buffers={batch["input_ids"], batch["labels"]},
+):
+    outputs = model(**batch)
+"""
+
+
+def test_the_guides_snippet_is_one_line_and_the_docs_loop_runs_as_printed(tmp_path: Path) -> None:
+    """accelerate's guide names labels in no_restore_buffers without sharding them: one line naming
+    the fix. docs/accelerate.md's version of the loop runs as printed."""
+    snippet = tmp_path / "guide_snippet.py"
+    snippet.write_text(GUIDE_SNIPPET)
+    code, out, err = finish(cpctl(*CP2, str(snippet), tmp_path=tmp_path))
+    assert code == 1, out + err
+    assert "no_restore_buffers must be a subset of buffers" in err and "add it to buffers" in err
+    assert "Traceback" not in err
+    docs = (REPO / "docs" / "accelerate.md").read_text()
+    block = docs.split("<!-- guide-loop -->\n```python\n")[1].split("```\n<!-- /guide-loop -->")[0]
+    printed = tmp_path / "guide_loop.py"
+    printed.write_text(block)
+    code, out, err = finish(cpctl(*CP2, str(printed), tmp_path=tmp_path, env=probed_env(tmp_path)))
+    assert code == 0, out + err
+    assert "[rank0]: step 2: loss" in out
+    for rank in probed(tmp_path):
+        assert [(s["length"], s["padded"]) for s in rank["steps"]] == [(63, 64)] * 3
