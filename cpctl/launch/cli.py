@@ -176,9 +176,9 @@ def config(
     from cpctl.launch import wizard  # questionary is imported by the wizard only
 
     with user_errors():
-        if from_accelerate is not None:
-            flags = _accelerate_answers(from_accelerate) | flags
-        code = wizard.run_config(output=output, assume_yes=yes, flags=flags, console=_stdout())
+        presets = _accelerate_answers(from_accelerate) if from_accelerate is not None else {}
+        code = wizard.run_config(output=output, assume_yes=yes, flags=flags, console=_stdout(), presets=presets,
+                                 presets_source=f"--from-accelerate {from_accelerate}")
     raise typer.Exit(code)
 
 
