@@ -188,11 +188,18 @@ def _once_per_cp_group(gather_for_metrics: Any, runtime: Any) -> Any:
         dist.all_reduce(total, group=runtime.cp_group)
         return total
 
+    def tensors_only(data: Any) -> bool:
+        try:
+            recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
+        except TypeError:
+            return False
+        return True
+
     @functools.wraps(gather_for_metrics)
     def gathered_once(self, input_data, use_gather_object=False):
-        if use_gather_object:
-            raise CpctlError("gather_for_metrics(use_gather_object=True) under context parallelism: cpctl keeps one "
-                             "copy per CP group of tensors only; gather tensors (eval_use_gather_object=False)")
+        if use_gather_object or not tensors_only(input_data):  # accelerate would gather objects, once per rank
+            raise CpctlError("gather_for_metrics of Python objects under context parallelism: cpctl keeps one copy "
+                             "per CP group of tensors only; gather tensors (eval_use_gather_object=False)")
         if runtime.cp_active:
             input_data = recursively_apply(summed_over_cp, input_data)
         gather = self.gather
