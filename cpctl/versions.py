@@ -14,6 +14,7 @@ from cpctl.errors import CpctlError
 MIN_TORCH = (2, 6)  # FSDP2 (fully_shard) and DTensor-based CP attention need it
 KNOWN_ACCELERATE = ("1.15",)  # major.minor releases whose variable names were checked
 KNOWN_TRANSFORMERS = ("5.17", "5.24")  # releases whose Trainer CP route was run under cpctl
+KNOWN_TRL = ("1.16",)  # releases whose SFTTrainer route (packing, evaluation) was run under cpctl
 
 
 def installed_version(distribution: str) -> str | None:

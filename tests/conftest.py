@@ -6,6 +6,7 @@ as CI does."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if len(quick) < len(items):
         config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("full") is not None])
         items[:] = quick
+
+
+@pytest.fixture(scope="session")
+def tiny_hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny local hub (model, tokenizer, texts) for unmodified ecosystem scripts: tests/workers/tiny_hub.py."""
+    import subprocess
+
+    from launching import REPO, TIMEOUT, launch_env
+
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("hub")
+    subprocess.run([sys.executable, str(REPO / "tests" / "workers" / "tiny_hub.py"), str(out)], check=True,
+                   env=launch_env(out), capture_output=True, timeout=TIMEOUT)
+    return out

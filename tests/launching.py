@@ -25,17 +25,36 @@ T = TypeVar("T")
 def launch_env(tmp_path: Path) -> dict[str, str]:
     """The test's environment minus anything that would change the profile or torchrun."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(AMBIENT_PREFIXES)}
+    # nothing reaches the network: Hugging Face libraries read local files only, and send no telemetry
+    env |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     env |= {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "CUDA_VISIBLE_DEVICES": "",
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
     return env
 
 
-def cpctl(*args: str, tmp_path: Path, cwd: Path | None = None, extra_env: dict[str, str] | None = None,
-          **popen: object) -> subprocess.Popen:
+def cpctl(*args: str, tmp_path: Path, cwd: Path | None = None, env: dict[str, str] | None = None,
+          extra_env: dict[str, str] | None = None, **popen: object) -> subprocess.Popen:
+    """`cpctl launch ARGS` in a subprocess: in `env` (default: launch_env), plus `extra_env`."""
     return subprocess.Popen(
         [sys.executable, "-m", "cpctl.launch.cli", "launch", *args], cwd=cwd or tmp_path,
-        env=launch_env(tmp_path) | (extra_env or {}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,
+        env=(env or launch_env(tmp_path)) | (extra_env or {}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, **popen,
     )
+
+
+PROBE = REPO / "tests" / "probe"  # a sitecustomize that records each worker's CP steps
+
+
+def probed_env(tmp_path: Path) -> dict[str, str]:
+    """launch_env with the CP probe on: each worker writes tmp_path/probe/rank{R}.json at exit."""
+    (tmp_path / "probe").mkdir(exist_ok=True)
+    env = launch_env(tmp_path)
+    return env | {"CP_PROBE_DIR": str(tmp_path / "probe"), "PYTHONPATH": f"{PROBE}{os.pathsep}{env['PYTHONPATH']}"}
+
+
+def probed(tmp_path: Path, world: int = 2) -> list[dict]:
+    """What the probe recorded per rank: cp_size, each CP step's tokens, every attention's query length."""
+    return [json.loads((tmp_path / "probe" / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
 def plain_losses(script: Path, *args: str, tmp_path: Path) -> dict:

@@ -10,10 +10,13 @@ shows those losses move far more than the tolerance, so a wrong gradient could n
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish, launch_once, plain_losses
+import yaml
+from launching import REPO, TIMEOUT, cpctl, finish, launch_env, launch_once, plain_losses, probed, probed_env
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -91,12 +94,12 @@ def test_a_trainer_under_cp_gives_the_one_process_losses(tmp_path: Path) -> None
         assert abs(got - want) <= TOLERANCE, f"step {step}: {got} vs {want}"
 
 
-def test_a_trainer_that_would_not_average_gradients_is_refused(tmp_path: Path) -> None:
-    """transformers' Trainer wraps no DDP when evaluate() runs before train() (on CPU); the
-    ranks' gradients would drift apart silently, so the first training step is refused."""
+def test_evaluating_before_training_is_accelerates_one_line_as_on_gpus(tmp_path: Path) -> None:
+    """On the CPU the model is FSDP2's, as on GPUs, and transformers' evaluate() before train()
+    then meets accelerate's own FSDP2 rule: one line, the same on a laptop and on GPUs."""
     code, out, err = finish(cpctl(*CP2, str(TRAINER), "--evaluate-first", tmp_path=tmp_path))
     assert code == 1, out + err
-    assert "the Trainer trains a model that no DDP or FSDP wraps, on 2 processes" in err and "Traceback" not in err
+    assert "When using FSDP2, a model and optimizer must be passed together" in err and "Traceback" not in err
 
 
 def test_a_model_prepared_twice_is_adopted_once(tmp_path: Path) -> None:
@@ -136,13 +139,28 @@ def test_the_dry_run_shows_what_accelerate_is_told(tmp_path: Path) -> None:
     assert "--module -- cpctl.integrations.accelerate_shim" in out
 
 
-def test_sizes_set_twice_must_agree(tmp_path: Path) -> None:
+SET_TWICE = {
+    "sizes": ("ParallelismConfig(dp_shard_size=2, cp_size=1)",
+              "the script's ParallelismConfig sets dp_shard_size 2 (profile: 1), cp_size 1 (profile: 2)"),
+    # on the CPU this used to be preempted by accelerate's "covers 1 processes"
+    "cp_size": ("ParallelismConfig(cp_size=1)", "the script's ParallelismConfig sets cp_size 1 (profile: 2)"),
+    "strategy": ("ParallelismConfig(cp_size=2, cp_handler=TorchContextParallelConfig(cp_comm_strategy='alltoall'))",
+                 "the script's ParallelismConfig sets cp_comm_strategy alltoall (profile: allgather)"),
+    "precision": ("ParallelismConfig(), mixed_precision='bf16'",
+                  "the script's Accelerator sets mixed_precision='bf16' (profile: fsdp.mixed_precision no)"),
+}
+
+
+@pytest.mark.parametrize("case", SET_TWICE)
+def test_what_the_script_and_the_launch_both_set_must_agree(tmp_path: Path, case: str) -> None:
+    built, message = SET_TWICE[case]
     script = tmp_path / "own_sizes.py"
-    script.write_text("from accelerate import Accelerator\nfrom accelerate.utils import ParallelismConfig\n"
-                      "Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, cp_size=1))\n")
+    script.write_text("from accelerate import Accelerator\n"
+                      "from accelerate.utils import ParallelismConfig, TorchContextParallelConfig\n"
+                      f"Accelerator(parallelism_config={built})\n")
     code, out, err = finish(cpctl(*CP2, str(script), tmp_path=tmp_path))
-    assert code == 1
-    assert "the script's ParallelismConfig sets dp_shard_size 2 (profile: 1), cp_size 1 (profile: 2)" in err
+    assert code == 1, out + err
+    assert message in err and "in one place" in err.split(message)[1]
     assert "Traceback" not in err
 
 
@@ -171,3 +189,123 @@ def test_check_says_whether_accelerate_and_transformers_are_known(tmp_path: Path
     by_name = {check.name: check for check in checks}
     assert by_name["accelerate"].ok and "a release cpctl knows" in by_name["accelerate"].detail
     assert by_name["transformers"].ok
+
+
+# ------------------------------------------------------------------ accelerate's own examples
+
+ND = REPO / "tests" / "workers" / "nd_parallel"  # nd_parallel.py, nd_parallel_trainer.py, configs/cp.yaml's copy
+ON_THIS_CPU = ("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2")
+
+
+def test_nd_parallel_with_its_cp_config_gives_the_one_process_losses(tmp_path: Path, tiny_hub: Path) -> None:
+    """accelerate's nd_parallel.py under `cpctl launch --config configs/cp.yaml` (its sizes and
+    precision overridden for this 2-core CPU): FSDP2 on the CPU as on GPUs, so `model.config`
+    and `model.save_pretrained` work; 63-token rows padded to 64; the one-process losses."""
+    script_args = ("--model-name", str(tiny_hub / "model"), "--sequence-length", "63", "--num-steps", "3",
+                   "--precision", "fp32")
+    # the script all-reduces its loss, so its one-process run needs a process group: a launch of one
+    code, out, err = finish(cpctl("--device", "cpu", "--nproc-per-node", "1", "--script-api", "accelerate",
+                                  str(ND / "nd_parallel.py"), *script_args, "--save-dir", str(tmp_path / "one"),
+                                  tmp_path=tmp_path))
+    assert code == 0, out + err
+    code, out, err = finish(cpctl("--config", str(ND / "cp.yaml"), *ON_THIS_CPU, "--mixed-precision", "no",
+                                  str(ND / "nd_parallel.py"), "--cp-size", "2", *script_args,
+                                  "--save-dir", str(tmp_path / "cp"), tmp_path=tmp_path, env=probed_env(tmp_path)))
+    assert code == 0, out + err
+    one, cp = (json.loads((tmp_path / run / "losses.json").read_text()) for run in ("one", "cp"))
+    assert cp["world"] == 2 and len(cp["losses"]) == len(one["losses"]) == 3 and len(set(one["losses"])) == 3
+    assert max(abs(a - b) for a, b in zip(cp["losses"], one["losses"])) <= 1e-5, (cp, one)
+    saved = tmp_path / "cp" / "model"
+    assert (saved / "config.json").exists() and (saved / "model.safetensors").exists()
+    from safetensors.torch import load_file
+
+    weights = load_file(saved / "model.safetensors")
+    assert weights["model.embed_tokens.weight"].shape == (64, 32)  # whole, not a shard; names without wrappers
+    for rank in probed(tmp_path):
+        assert rank["cp_size"] == 2 and {(s["length"], s["padded"], s["local"]) for s in rank["steps"]} == {(63, 64, 32)}
+
+
+def test_nd_parallel_trainer_and_its_bf16(tmp_path: Path, tiny_hub: Path) -> None:
+    """nd_parallel_trainer.py hard-codes bf16=True in its TrainingArguments. configs/cp.yaml says
+    bf16 too, so it trains in bf16 on the CPU (under CP); a launch in fp32 names both in one line."""
+    script_args = (str(ND / "nd_parallel_trainer.py"), "--model-name", str(tiny_hub / "model"), "--sequence-length",
+                   "63", "--max-steps", "2", "--save-dir", str(tmp_path / "out"))
+    code, out, err = finish(cpctl(*CP2, *script_args, tmp_path=tmp_path))
+    assert code == 1, out + err
+    assert "the script's TrainingArguments set bf16=True (profile: fsdp.mixed_precision no)" in err
+    assert "--mixed-precision bf16" in err and "Traceback" not in err
+    code, out, err = finish(cpctl("--config", str(ND / "cp.yaml"), *ON_THIS_CPU, *script_args, tmp_path=tmp_path,
+                                  env=probed_env(tmp_path)))
+    assert code == 0, out + err
+    state = json.loads((tmp_path / "out" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert [entry["step"] for entry in state["log_history"] if "loss" in entry] == [1, 2]
+    for rank in probed(tmp_path):
+        assert rank["cp_size"] == 2 and len(rank["steps"]) == 2 and set(rank["attention_q_lens"]) == {32}
+
+
+def test_an_accelerate_config_file_is_read_or_refused_by_name(tmp_path: Path) -> None:
+    """`cpctl launch --config` and `cpctl config --from-accelerate` read the file `accelerate config`
+    writes; what cpctl cannot honour is named in one line."""
+    code, out, err = finish(cpctl("--config", str(ND / "cp.yaml"), "--dry-run", str(SCRIPT), tmp_path=tmp_path))
+    assert code == 0, out + err
+    rows = {cells[0].strip(): (cells[1].strip(), cells[2].strip()) for cells in
+            (line.split("│") for line in out.splitlines()) if len(cells) == 3}
+    for key, value in (("parallelism.cp_size", "8"), ("fsdp.mixed_precision", "bf16"), ("launch.nproc_per_node", "8"),
+                       ("fsdp.activation_checkpointing", "true"), ("launch.script_api", "accelerate")):
+        assert rows[key][0] == value and rows[key][1].startswith("--config"), (key, rows[key])
+    written = tmp_path / "profile.yaml"
+    proc = subprocess.run([sys.executable, "-m", "cpctl.launch.cli", "config", "--from-accelerate", str(ND / "cp.yaml"),
+                           "--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--yes", "--output",
+                           str(written)], cwd=tmp_path, env=launch_env(tmp_path), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    profile = yaml.safe_load(written.read_text())
+    assert profile["parallelism"]["cp_size"] == 2 and profile["fsdp"]["mixed_precision"] == "bf16"
+    assert profile["launch"]["script_api"] == "accelerate" and profile["fsdp"]["activation_checkpointing"] is True
+    deepspeed = tmp_path / "zero3.yaml"
+    deepspeed.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: DEEPSPEED\nnum_processes: 2\n")
+    code, out, err = finish(cpctl("--config", str(deepspeed), "--dry-run", str(SCRIPT), tmp_path=tmp_path))
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "distributed_type: DEEPSPEED: cpctl shards with FSDP2" in err
+
+
+GUIDE_SNIPPET = """\
+import torch
+from accelerate import Accelerator
+from accelerate.utils import ParallelismConfig
+from transformers import LlamaConfig, LlamaForCausalLM
+
+accelerator = Accelerator(parallelism_config=ParallelismConfig())
+model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+optimizer = torch.optim.AdamW(model.parameters())
+model, optimizer = accelerator.prepare(model, optimizer)
+ids = torch.randint(128, (2, 64), generator=torch.Generator().manual_seed(0))
+batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+with accelerator.maybe_context_parallel(
+    buffers=[batch["input_ids"], batch["attention_mask"]],
+    buffer_seq_dims=[1, 1],
+    no_restore_buffers={batch["input_ids"], batch["labels"]},
+):
+    outputs = model(**batch)
+"""
+
+
+def test_the_guides_snippet_is_one_line_and_the_docs_loop_runs_as_printed(tmp_path: Path) -> None:
+    """accelerate's guide names labels in no_restore_buffers without sharding them: one line naming
+    the fix. docs/accelerate.md's version of the loop runs as printed."""
+    snippet = tmp_path / "guide_snippet.py"
+    snippet.write_text(GUIDE_SNIPPET)
+    code, out, err = finish(cpctl(*CP2, str(snippet), tmp_path=tmp_path))
+    assert code == 1, out + err
+    assert "no_restore_buffers must be a subset of buffers" in err and "add it to buffers" in err
+    assert "Traceback" not in err
+    docs = (REPO / "docs" / "accelerate.md").read_text()
+    block = docs.split("<!-- guide-loop -->\n```python\n")[1].split("```\n<!-- /guide-loop -->")[0]
+    printed = tmp_path / "guide_loop.py"
+    printed.write_text(block)
+    code, out, err = finish(cpctl(*CP2, str(printed), tmp_path=tmp_path, env=probed_env(tmp_path)))
+    assert code == 0, out + err
+    assert "[rank0]: step 2: loss" in out
+    for rank in probed(tmp_path):
+        assert [(s["length"], s["padded"]) for s in rank["steps"]] == [(63, 64)] * 3

@@ -139,7 +139,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
     own = {
         "launch": {"--module", "-m", "--config", "-c", "--profile", "-p", "--dry-run", "--help"} | accelerate,
         "check": {"--config", "-c", "--profile", "-p", "--static", "--help"},
-        "config": {"--output", "-o", "--yes", "-y", "--help"},
+        "config": {"--output", "-o", "--yes", "-y", "--from-accelerate", "--help"},
     }
     assert {spec.flag for spec in PROFILE_FLAGS} == expected
     for name, extra in own.items():

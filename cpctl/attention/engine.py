@@ -50,6 +50,15 @@ def _document_rows(documents, *, batch: int) -> list[tuple[int, ...] | None]:
     return rows * batch if len(rows) == 1 else rows
 
 
+def _as_autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Under autocast SDPA computes in the autocast dtype (q from RoPE may be fp32, v bf16): so does CP attention."""
+    device = q.device.type
+    if not torch.is_autocast_enabled(device):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
+
+
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: ChunkLayout, enable_gqa: bool) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise CpctlError(
@@ -98,6 +107,7 @@ def context_parallel_attention(
     not computed and masked.
     """
     strategy = Strategy.parse(strategy)
+    q, k, v = _as_autocast(q, k, v)
     check_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)
     rows = _document_rows(documents, batch=q.shape[0])
     if len(set(rows)) > 1:  # rows packed differently: each its own plan

@@ -127,8 +127,15 @@ def read_yaml(path: str | Path) -> Any:
 
 
 def file_layer(path: str | Path, label: str | None = None) -> Layer:
-    """A profile file; its errors name the file, its values' sources say `label` (`--config x.yaml`)."""
-    layer = tree_layer(read_yaml(path), str(path))
+    """A profile file; its errors name the file, its values' sources say `label` (`--config x.yaml`).
+    A file `accelerate config` wrote is read as the profile it describes (config/accelerate_file.py)."""
+    from cpctl.config import accelerate_file
+    from cpctl.config.schema import to_tree
+
+    tree = read_yaml(path)
+    if accelerate_file.is_accelerate_config(tree):
+        tree = to_tree(accelerate_file.values(tree, source=str(path)))
+    layer = tree_layer(tree, str(path))
     return Layer.of(layer.values, label) if label else layer
 
 

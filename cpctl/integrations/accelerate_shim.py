@@ -14,8 +14,11 @@ of accelerate's (or in place of them), only in this process:
   accelerate's own (FSDP2, optimizer, data loader), without its CP hooks on attention modules;
 * `Accelerator.maybe_context_parallel`: `rt.maybe_context_parallel` with the same buffers, so
   the step runs on cpctl's engine (on CPU with gloo too) with its checks;
-* the transformers Trainer, which reaches that context manager too: see
-  `_trainer_takes_cpctl_attention`; and accelerate's process-group teardown, done as cpctl's.
+* the transformers Trainer (and TRL's trainers), which reach that context manager too: see
+  cpctl.integrations.trainer; and accelerate's process-group teardown, done as cpctl's.
+
+Every one of those changes goes through cpctl.integrations.patches, the one registry of what
+cpctl changes in other libraries.
 
 Then the script runs as `python SCRIPT ARGS` (or `python -m MODULE ARGS`) would run it.
 """
@@ -23,6 +26,7 @@ Then the script runs as `python SCRIPT ARGS` (or `python -m MODULE ARGS`) would 
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import runpy
 import sys
@@ -31,7 +35,8 @@ from typing import Any
 
 from cpctl import config
 from cpctl.errors import CpctlError
-from cpctl.integrations import huggingface
+from cpctl.integrations import fsdp_saving, trainer
+from cpctl.integrations.patches import PATCHES
 from cpctl.versions import KNOWN_ACCELERATE, is_known
 
 
@@ -65,7 +70,8 @@ def _profile() -> config.Profile:
 
 
 def install(profile: config.Profile, runtime: Any | None) -> None:
-    """Put cpctl's steps in front of accelerate's (runtime None: the native engine, checks only)."""
+    """Put cpctl's steps in front of accelerate's (runtime None: the native engine, checks only).
+    Every change goes through the patch registry (cpctl.integrations.patches)."""
     try:
         import accelerate
         from accelerate import Accelerator
@@ -76,20 +82,15 @@ def install(profile: config.Profile, runtime: Any | None) -> None:
     if not is_known(accelerate.__version__, KNOWN_ACCELERATE):
         raise CpctlError(f"accelerate {accelerate.__version__} is not a release cpctl knows ({', '.join(KNOWN_ACCELERATE)}): "
                          "the settings cpctl passes may be read differently; install one of those")
-    init = Accelerator.__init__
-
-    @functools.wraps(init)
-    def checked_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        _check_sizes(self, profile)
-
-    Accelerator.__init__ = checked_init
+    PATCHES.replace(Accelerator, "__init__", lambda init: _checking_sizes(init, profile),
+                    why="the script's parallel sizes and strategy must be the profile's")
     if runtime is None:
         return
     # `prepare` (FSDP2 prepares models without prepare_model) and `prepare_model` (which
     # `prepare` may call, and the Trainer calls alone to evaluate) both adopt the model, once.
-    Accelerator.prepare = _adopting(Accelerator.prepare, runtime)
-    Accelerator.prepare_model = _adopting(Accelerator.prepare_model, runtime)
+    for name in ("prepare", "prepare_model"):
+        PATCHES.replace(Accelerator, name, lambda prepare: _adopting(prepare, runtime),
+                        why="models get cpctl's preparation before accelerate wraps them")
 
     def cpctl_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
         return runtime.maybe_context_parallel(buffers=list(buffers or []), buffer_seq_dims=list(buffer_seq_dims or []),
@@ -97,13 +98,42 @@ def install(profile: config.Profile, runtime: Any | None) -> None:
 
     # accelerate's own CP preparation binds PyTorch's context_parallel and hooks the model's
     # attention modules (dropping masks); cpctl's engine does neither.
-    Accelerator._prepare_cp = lambda self, *args: args
-    Accelerator.maybe_context_parallel = cpctl_context_parallel
-    _trainer_takes_cpctl_attention(runtime)
+    PATCHES.replace(Accelerator, "_prepare_cp", lambda original: lambda self, *args: args,
+                    why="no PyTorch context_parallel hooks on attention modules")
+    PATCHES.replace(Accelerator, "maybe_context_parallel", lambda original: cpctl_context_parallel,
+                    why="rt.maybe_context_parallel: cpctl's engine")
+    if runtime.seq_size > 1:
+        PATCHES.replace(Accelerator, "gather_for_metrics", lambda original: _once_per_sequence(original, runtime),
+                        why="the CP ranks of a group hold the same samples: one copy each, as one process has")
+    trainer.install(runtime)
+    fsdp_saving.install()
     for state in (PartialState, AcceleratorState):
-        state.destroy_process_group = _closing(state.destroy_process_group)
+        PATCHES.replace(state, "destroy_process_group", _closing, why="teardown as cpctl's exit does it")
     if profile.launch.device == "cpu":
-        _allow_cpu(profile)
+        _fsdp_on_cpu()
+
+
+def _checking_sizes(init: Any, profile: config.Profile) -> Any:
+    signature = inspect.signature(init)
+
+    @functools.wraps(init)
+    def checked_init(self, *args, **kwargs):
+        arguments = signature.bind_partial(self, *args, **kwargs).arguments
+        given = arguments.get("parallelism_config")
+        if given is not None:  # before accelerate reads it: the same message on every device
+            _check_sizes(given, profile)
+        precision = arguments.get("mixed_precision")
+        wanted = profile.fsdp.mixed_precision
+        if precision is not None and str(getattr(precision, "value", precision)) != wanted:
+            precision = getattr(precision, "value", precision)
+            raise CpctlError(f"the script's Accelerator sets mixed_precision={precision!r} (profile: fsdp.mixed_precision "
+                             f"{wanted}); set it in one place: Accelerator() without it (it reads cpctl's), or cpctl "
+                             f"launch --mixed-precision {precision}")
+        init(self, *args, **kwargs)
+        if given is None:
+            _check_sizes(getattr(self, "parallelism_config", None), profile)
+
+    return checked_init
 
 
 ADOPTED = "_cpctl_adopted"  # set on a model cpctl has prepared, so a second prepare leaves it alone
@@ -132,92 +162,81 @@ def _adopting(prepare: Any, runtime: Any) -> Any:
     return adopting
 
 
-def _allow_cpu(profile: config.Profile) -> None:
-    """accelerate runs FSDP and its ParallelismConfig on accelerators only: on cpu (MULTI_CPU)
-    it replicates the model with DDP, which averages gradients over the same dp x cp ranks, and
-    cpctl's engine computes CP. Its one check that would refuse that is skipped there."""
-    from accelerate.parallelism_config import ParallelismConfig
+def _once_per_sequence(gather_for_metrics: Any, runtime: Any) -> Any:
+    """accelerate's gather_for_metrics gathers from every process, and at the end of a data loader
+    keeps the first `remainder` samples: under CP every sample came once per CP rank, so the
+    weights of the batches (and what the truncation keeps) would not be one process's. Here the
+    gathered data keeps one CP rank per group. Inside a sharded step a scalar is one shard's part
+    (a count, a sum: TRL's token metrics) and is summed over the CP group first."""
+    import torch
+    import torch.distributed as dist
+    from accelerate.utils import recursively_apply
+
+    grid, names = runtime.mesh.mesh, list(runtime.mesh.mesh_dim_names)
+    for axis in ("sp", "cp"):  # one rank per sequence: the first of its cp x sp ranks
+        if axis in names:
+            grid = grid.select(names.index(axis), 0)
+            names.remove(axis)
+    leaders = sorted(grid.flatten().tolist())
+    world = runtime.world_size
+
+    def leaders_only(data: Any) -> Any:
+        return data.view(world, -1, *data.shape[1:])[leaders].flatten(0, 1)
+
+    def summed_over_cp(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() != 0:
+            raise CpctlError(f"gather_for_metrics of a {tuple(tensor.shape)} tensor inside maybe_context_parallel: it "
+                             "holds one shard of the sequence; gather it after the context (or rt.unshard it first)")
+        total = tensor.detach().clone()
+        dist.all_reduce(total, group=runtime.seq_group)
+        return total
+
+    def tensors_only(data: Any) -> bool:
+        try:
+            recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
+        except TypeError:
+            return False
+        return True
+
+    @functools.wraps(gather_for_metrics)
+    def gathered_once(self, input_data, use_gather_object=False):
+        if use_gather_object or not tensors_only(input_data):  # accelerate would gather objects, once per rank
+            raise CpctlError("gather_for_metrics of Python objects under context parallelism: cpctl keeps one copy "
+                             "per CP group of tensors only; gather tensors (eval_use_gather_object=False)")
+        if runtime.cp_active:
+            input_data = recursively_apply(summed_over_cp, input_data)
+        gather = self.gather
+        self.gather = lambda data: recursively_apply(leaders_only, gather(data))
+        try:
+            return gather_for_metrics(self, input_data, use_gather_object=False)
+        finally:
+            del self.gather
+
+    return gathered_once
+
+
+def _fsdp_on_cpu() -> None:
+    """accelerate applies FSDP (and ParallelismConfig's mesh) on accelerators only: on the CPU
+    (MULTI_CPU) it would replicate the model with DDP, whose wrapper hides `model.config` and
+    `save_pretrained`. cpctl's own route runs FSDP2 on the CPU with gloo; so does this one: the
+    state takes the FSDP plugin on the CPU exactly as it does on a GPU, and accelerate's FSDP2
+    preparation (device-agnostic) shards the model over the CPU mesh."""
+    from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType
 
-    validate = ParallelismConfig._validate_accelerator
+    def fsdp_too(init):
+        @functools.wraps(init)
+        def init_with_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+            init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+            if self.distributed_type == DistributedType.MULTI_CPU and fsdp_plugin is not None:
+                self.distributed_type = DistributedType.FSDP  # what the GPU branch of __init__ sets
+                if self._mixed_precision != "no":
+                    fsdp_plugin.set_mixed_precision(self._mixed_precision)
+                self.fsdp_plugin = fsdp_plugin
 
-    @functools.wraps(validate)
-    def validate_on_cpu(self, accelerator):
-        if accelerator.distributed_type != DistributedType.MULTI_CPU:
-            return validate(self, accelerator)
-        if self.total_size != accelerator.num_processes:  # what accelerate's own check would say first
-            raise CpctlError(f"the Accelerator's ParallelismConfig covers {self.total_size} processes, "
-                             f"the job has {accelerator.num_processes}")
-        return None
+        return init_with_fsdp
 
-    ParallelismConfig._validate_accelerator = validate_on_cpu
-
-
-def _trainer_takes_cpctl_attention(runtime: Any) -> None:
-    """The transformers Trainer shards its batch through accelerator.maybe_context_parallel (so
-    through cpctl's engine here). Two of its steps are adapted:
-
-    * it checks that the model's attention is "sdpa": a model cpctl prepared attends through
-      cpctl's implementation, which computes what SDPA would across the CP group and checks
-      masks itself, so for such a model (only) the check is not made;
-    * its loss is the model's local sum over its own count of label tokens (num_items_in_batch),
-      scaled so that the gradient average over dp x cp gives the global mean: inside its
-      compute_loss the runtime lets the model take that count instead of refusing it; in
-      evaluation the CP ranks' losses are averaged, since only one CP rank's loss is kept.
-    """
-    import importlib.util
-
-    import torch
-
-    if importlib.util.find_spec("transformers") is None:
-        return
-    from transformers import Trainer
-
-    prepare_inputs = getattr(Trainer, "_prepare_context_parallel_inputs", None)
-    compute_loss = Trainer.compute_loss
-    if prepare_inputs is None:  # a Trainer without context parallelism: nothing to adapt
-        return
-
-    @functools.wraps(prepare_inputs)
-    def checked_as_cpctl(self, model, inputs):
-        config = getattr(self.accelerator.unwrap_model(model), "config", None)
-        cpctl_attention = getattr(config, "_attn_implementation", None) == huggingface.IMPLEMENTATION
-        return prepare_inputs(self, None if cpctl_attention else model, inputs)
-
-    @functools.wraps(compute_loss)
-    def counted_by_the_trainer(self, model, *args, **kwargs):
-        if model.training and runtime.world_size > 1 and not _averages_gradients(model):
-            raise CpctlError(f"the Trainer trains a model that no DDP or FSDP wraps, on {runtime.world_size} processes: "
-                             "their gradients would never be averaged (transformers skips the wrapping when "
-                             "trainer.evaluate() runs before trainer.train()); call train() first")
-        with runtime.caller_counts_loss_tokens():
-            result = compute_loss(self, model, *args, **kwargs)
-        if model.training or runtime.seq_size == 1:
-            return result
-        # Evaluation: each CP rank's loss covers its shard only, and accelerate's
-        # gather_for_metrics keeps one CP rank's value (they hold the same samples); give every
-        # CP rank their mean, which is the batch's loss (the Trainer scaled each by the ranks).
-        loss = result[0] if isinstance(result, tuple) else result
-        loss = loss.detach().clone()
-        torch.distributed.all_reduce(loss, group=runtime.seq_group)
-        loss /= runtime.seq_size
-        return (loss, *result[1:]) if isinstance(result, tuple) else loss
-
-    Trainer._prepare_context_parallel_inputs = checked_as_cpctl
-    Trainer.compute_loss = counted_by_the_trainer
-
-
-def _averages_gradients(model: Any) -> bool:
-    """Whether `model` is wrapped by something that averages gradients over the ranks."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch 2.6 keeps FSDP2 here
-        from torch.distributed._composable.fsdp import FSDPModule
-
-    return isinstance(model, (DistributedDataParallel, FSDPModule, FullyShardedDataParallel))
+    PATCHES.replace(AcceleratorState, "__init__", fsdp_too, why="FSDP2 on the CPU (gloo), as on GPUs")
 
 
 def _closing(destroy: Any) -> Any:
@@ -231,9 +250,9 @@ def _closing(destroy: Any) -> Any:
     return close
 
 
-def _check_sizes(accelerator: Any, profile: config.Profile) -> None:
-    """The Accelerator's sizes against the profile's: one layout, or a clear error."""
-    built = getattr(accelerator, "parallelism_config", None)
+def _check_sizes(built: Any, profile: config.Profile) -> None:
+    """The script's ParallelismConfig (None: the Accelerator has none) against the profile: one
+    layout, or a clear error naming both."""
     parallel = profile.parallelism
     wanted = {"dp_replicate_size": parallel.dp_replicate_size, "dp_shard_size": parallel.dp_shard_size,
               "cp_size": parallel.cp_size, "sp_size": parallel.sp_size, "tp_size": parallel.tp_size}
@@ -245,8 +264,11 @@ def _check_sizes(accelerator: Any, profile: config.Profile) -> None:
         return
     got = {name: getattr(built, name, None) for name in wanted}
     differ = [f"{name} {got[name]} (profile: {wanted[name]})" for name in wanted if got[name] != wanted[name]]
+    strategy = getattr(getattr(built, "cp_handler", None), "cp_comm_strategy", None)
+    if parallel.cp_size > 1 and strategy is not None and strategy != parallel.cp_comm_strategy:
+        differ.append(f"cp_comm_strategy {strategy} (profile: {parallel.cp_comm_strategy})")
     if differ:
-        raise CpctlError(f"the script's ParallelismConfig sets {', '.join(differ)}; set the sizes in one place: "
+        raise CpctlError(f"the script's ParallelismConfig sets {', '.join(differ)}; set them in one place: "
                          "drop them from the script (ParallelismConfig() reads cpctl's) or pass the same to cpctl launch")
 
 

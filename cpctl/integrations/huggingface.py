@@ -199,15 +199,12 @@ def _active() -> Runtime | None:
     return _runtime if _runtime is not None and _runtime.cp_active else None
 
 
-PADDING = ("an attention_mask with padding under context parallelism; CP shards one unpadded sequence per row: "
-           "pack sequences without padding (or pad with tokens whose labels are -100 and pass no attention_mask)")
-
-
 def _refuse_padding(runtime: Runtime, attention_mask: torch.Tensor | None) -> None:
-    """Padding sits in some shards only: the CP ranks agree before any raises. No mask, no
-    question (every rank is called alike), so the common case costs no collective."""
-    if attention_mask is not None:
-        runtime.raise_together(None if bool(attention_mask.all()) else PADDING)
+    """Right padding is computed (hf_padding); left padding and holes are refused, on every CP rank."""
+    from cpctl.integrations import hf_padding
+
+    if hf_padding.dead_tail_starts(runtime, attention_mask) is not None:
+        runtime.hide_tail("the batch is right-padded")
 
 
 def mask(*args: Any, attention_mask: torch.Tensor | None = None, use_vmap: bool = False, **kwargs: Any):
@@ -294,7 +291,9 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtim
     batch, local_len = tokens.shape[0], tokens.shape[1]
     for name in ("input_ids", "inputs_embeds", "position_ids", "labels", "shift_labels", "attention_mask"):
         runtime.require_sharded(kwargs.get(name), name=name, seq_dim=1)
-    _refuse_padding(runtime, kwargs.get("attention_mask"))
+    from cpctl.integrations import hf_padding
+
+    hf_padding.adapt(kwargs, runtime, local_len=local_len, device=tokens.device)  # drops the mask
     if kwargs.get("use_cache"):
         raise CpctlError("use_cache=True under context parallelism: a KV cache of a shard is no use; pass use_cache=False")
     reads_documents = kwargs.get("attention_mask") is None and not _builds_cache(model, kwargs)

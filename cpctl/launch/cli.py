@@ -219,13 +219,16 @@ def config(
     *,
     output: Annotated[Path, typer.Option("--output", "-o", help="Where to write the profile.")] = Path("cpctl.yaml"),
     yes: Annotated[bool, typer.Option("--yes", "-y", help="Take defaults and flags without asking (also when there is no TTY).", **SWITCH)] = False,
+    from_accelerate: Annotated[Path | None, typer.Option("--from-accelerate", help="Preset the answers from the config file `accelerate config` wrote (flags still win).", show_default=False)] = None,
     flags: dict[str, str],
 ) -> None:
     """Write a profile with an interactive wizard (questionary). Flags preset answers."""
     from cpctl.launch import wizard  # questionary is imported by the wizard only
 
     with user_errors():
-        code = wizard.run_config(output=output, assume_yes=yes, flags=flags, console=_stdout())
+        presets = _accelerate_answers(from_accelerate) if from_accelerate is not None else {}
+        code = wizard.run_config(output=output, assume_yes=yes, flags=flags, console=_stdout(), presets=presets,
+                                 presets_source=f"--from-accelerate {from_accelerate}")
     raise typer.Exit(code)
 
 
@@ -317,6 +320,19 @@ def _note_own_options_after(script: str, script_args: list[str], use: Any) -> No
                         f"{'goes' if one else 'go'} to the script, which does not mention {'it' if one else 'them'}; "
                         f"cpctl's options go before SCRIPT: cpctl launch {escape(' '.join(meant))} {escape(script)} ...",
                         soft_wrap=True)
+
+
+def _accelerate_answers(path: Path) -> dict[str, str]:
+    """An accelerate config file's settings as the wizard's preset answers (key path -> text)."""
+    from cpctl.config import accelerate_file
+    from cpctl.config.layers import read_yaml
+
+    tree = read_yaml(path)
+    if not accelerate_file.is_accelerate_config(tree):
+        raise CpctlError(f"--from-accelerate {path}: not a file `accelerate config` writes (none of "
+                         f"{', '.join(accelerate_file.MARKERS[:3])}...); a cpctl profile goes to --config")
+    return {key: str(value).lower() if isinstance(value, bool) else str(value)
+            for key, value in accelerate_file.values(tree, source=str(path)).items()}
 
 
 @app.command(cls=_Command)

@@ -84,13 +84,15 @@ def run_checks(
 
 
 def _framework_checks(resolved: Resolved | None) -> list[Check]:
-    """accelerate and transformers against the releases cpctl knows. An accelerate script needs
-    a known accelerate (its workers refuse another); a transformers cpctl has not run is said."""
+    """accelerate, transformers and TRL against the releases cpctl knows. An accelerate script needs
+    a known accelerate (its workers refuse another); a transformers or TRL cpctl has not run is said
+    (under CP their trainers refuse it in the worker)."""
 
     for_accelerate = resolved is not None and resolved.profile.launch.script_api == "accelerate"
     checks = []
     for name, known, required in (("accelerate", versions.KNOWN_ACCELERATE, for_accelerate),
-                                  ("transformers", versions.KNOWN_TRANSFORMERS, False)):
+                                  ("transformers", versions.KNOWN_TRANSFORMERS, False),
+                                  ("trl", versions.KNOWN_TRL, False)):
         version = versions.installed_version(name)
         releases = ", ".join(f"{k}.x" for k in known)
         if version is None:

@@ -352,6 +352,8 @@ def run_config(
     console: Console,
     interactive: bool | None = None,
     machine: Machine | None = None,
+    presets: Mapping[str, str] | None = None,
+    presets_source: str = "",
 ) -> int:
     """`cpctl config`: ask (or take defaults and flags), validate, write `output`, summarise.
 
@@ -362,7 +364,8 @@ def run_config(
     output = Path(output)
     machine = config.detect_machine() if machine is None else machine
     interactive = (sys.stdin.isatty() if interactive is None else interactive) and not assume_yes
-    answers = _flag_answers(flags, machine)
+    presets = dict(presets or {})  # answers from a file (an accelerate config), below the flags
+    answers = _flag_answers({**presets, **flags}, machine)
     if output.is_dir():
         raise CpctlError(f"--output {output} is a directory; pass a file path such as {output / DEFAULT_OUTPUT}")
     existed = output.exists()
@@ -370,6 +373,7 @@ def run_config(
         raise CpctlError(f"{output} already exists; pass a new --output or delete the file (cpctl config never overwrites it unasked)")
 
     ask = _Asker(answers=answers, machine=machine, interactive=interactive)
+    ask.origins.update({path: presets_source for path in presets if path not in flags})
     try:
         if interactive:
             if output.exists() and not ask.q.confirm(f"{output} exists. Overwrite it?", default=False).unsafe_ask():

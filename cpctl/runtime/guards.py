@@ -24,7 +24,8 @@ def check_buffers(buffers: list, seq_dims: list, no_restore: list) -> None:
     for t in no_restore:
         if not any(t is b for b in buffers):
             raise CpctlError("maybe_context_parallel: no_restore_buffers must be a subset of buffers; "
-                             f"a tensor of shape {tuple(t.shape)} is not among the buffers")
+                             f"a tensor of shape {tuple(t.shape)} is not among the buffers: add it to buffers "
+                             "(labels are sharded like the tokens) or leave it out of no_restore_buffers")
     for buffer, seq_dim in zip(buffers, seq_dims):
         if isinstance(seq_dim, bool) or not isinstance(seq_dim, int):
             raise CpctlError(f"maybe_context_parallel: buffer_seq_dims must be integers, got {seq_dim!r}")

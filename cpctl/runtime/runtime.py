@@ -33,7 +33,7 @@ from cpctl.attention.ulysses import sequence_layout, ulysses_attention
 from cpctl.errors import CpctlError
 from cpctl.integrations import huggingface
 from cpctl.runtime import documents as packing
-from cpctl.runtime import guards, losses, process
+from cpctl.runtime import guards, losses, padding, process
 from cpctl.runtime.checkpoint_levels import BlockLevels
 from cpctl.runtime.loader import EpochDataLoader, ResumableSampler
 from cpctl.runtime.mesh import build_mesh
@@ -62,6 +62,8 @@ class Runtime:
     # Set by each maybe_context_parallel, kept after it (rt.unshard of its results needs them):
     _step_layout: ChunkLayout | None = None  # a cost-balanced layout for packed documents
     _documents: list[packing.Starts] | None = None  # document starts per row, when packed
+    _padding: padding.EndPadding | None = None  # tokens appended so the layout divides the length
+    _tail_hidden: str | None = None  # why attention must be causal this step (tokens at the end that count for nothing)
     cp_balance: float | None = None  # slowest CP rank's attention work / mean, this step (packed documents)
     _balance_logged: bool = False
     _memo: AttentionMemo | None = None  # the checkpointed block whose attention outputs are kept (selective level)
@@ -69,6 +71,8 @@ class Runtime:
     _levels: BlockLevels | None = None  # which checkpointed blocks are selective (memory.checkpoint_level)
     caller_counts_tokens: bool = False  # inside caller_counts_loss_tokens(): a model may take num_items_in_batch
     attention_calls: int = 0  # calls of the CP engine so far (a model's attention can be seen to go through it)
+    context_entries: int = 0  # how many times maybe_context_parallel sharded buffers (cp_size x sp_size > 1)
+    step_local_length: int | None = None  # the last such step's tokens per rank (padding included)
 
     # ------------------------------------------------------------------ coordinates
 
@@ -299,15 +303,41 @@ class Runtime:
         (with cp_size 1: the tensor itself, which is its whole shard)."""
         if self.seq_size == 1:
             return tensor
+        if self._cp_active and self._padding is not None and tensor.shape[seq_dim] == self._padding.length:
+            tensor = padding.pad(tensor, seq_dim=seq_dim, padding=self._padding)
         return sharding.shard(tensor, seq_dim=seq_dim, layout=self.layout)
 
     def unshard(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
-        """Gather a sequence-sharded tensor back to full length, in original token order."""
+        """Gather a sequence-sharded tensor back to full length, in original token order
+        (without the tokens the step appended to make the length divide)."""
+        full = self.gather_padded(tensor, seq_dim)
+        if self._padding is not None and full.shape[seq_dim] == self._padding.padded:
+            return full.narrow(seq_dim, 0, self._padding.length)
+        return full
+
+    def gather_padded(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
+        """`unshard`, keeping the tokens appended at the end (as the shards hold them)."""
         if self.seq_size == 1:
             return tensor
         pieces = [torch.empty_like(tensor) for _ in range(self.seq_size)]
         dist.all_gather(pieces, tensor.contiguous(), group=self.seq_group)
         return sharding.unshard(pieces, seq_dim=seq_dim, layout=self.layout)
+
+    @property
+    def padding(self) -> padding.EndPadding | None:
+        """The tokens this step appended so that the layout divides its length (None: none)."""
+        return self._padding
+
+    def appended_in_shard(self, local_len: int, *, device: torch.device | None = None) -> torch.Tensor | None:
+        """Which of this rank's `local_len` tokens were appended by the step's padding (None: none)."""
+        if self._padding is None or local_len * self.seq_size != self._padding.padded:
+            return None
+        index = torch.arange(self._padding.padded, device=device or self.device)
+        return sharding.shard(index, seq_dim=0, layout=self.layout) >= self._padding.length
+
+    def hide_tail(self, reason: str) -> None:
+        """Tokens at the end of this step's rows count for nothing: attention must stay causal."""
+        self._tail_hidden = self._tail_hidden or reason
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                   scale: float | None = None, enable_gqa: bool = False, window: int | None = None,
@@ -336,6 +366,10 @@ class Runtime:
 
     def step_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
         """`attention` with this step's packed documents: what routed calls inside the context get."""
+        if self._tail_hidden is not None and not options.get("is_causal", False):
+            raise CpctlError(f"attention that is not causal under context parallelism, and {self._tail_hidden}: "
+                             "every token would see those at the end; make each row's length a multiple of "
+                             f"{self.layout.num_chunks} without padding (or use causal attention)")
         return self.attention(q, k, v, documents=self._documents, **options)
 
     def require_sharded(self, tensor: torch.Tensor | None, *, name: str, seq_dim: int) -> None:
@@ -395,7 +429,8 @@ class Runtime:
     @contextlib.contextmanager
     def maybe_context_parallel(self, *, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
                                no_restore_buffers: Iterable[torch.Tensor] = (),
-                               documents: torch.Tensor | None = None) -> Iterator[None]:
+                               documents: torch.Tensor | None = None,
+                               pad_values: Sequence[padding.PadValue] | None = None) -> Iterator[None]:
         """Shard `buffers` in place along their sequence dims and compute every SDPA call
         across the CP group; on exit restore the buffers not in `no_restore_buffers`.
         Enter it anew every step.
@@ -407,20 +442,44 @@ class Runtime:
         `documents`: full-length position ids (batch, seq) that restart at each packed
         document (as transformers' DataCollatorWithFlattening makes them): attention stays
         inside documents, and the chunks are assigned to ranks by cost.
+
+        A length the layout does not divide is padded at the end (cpctl.runtime.padding): the
+        appended tokens count for nothing, and restored buffers and `rt.unshard` drop them.
+        `pad_values` (one per buffer: a number, "positions", or None for cpctl's rule) says
+        what to append where the rule would guess wrong.
         """
         buffers, no_restore = list(buffers), list(no_restore_buffers)
         guards.check_buffers(buffers, list(buffer_seq_dims), no_restore)
+        padding.check_values(None if pad_values is None else list(pad_values), buffers=len(buffers))
         if documents is not None and not isinstance(documents, torch.Tensor):
             raise CpctlError("maybe_context_parallel: documents must be a tensor of position ids, "
                              "e.g. cpctl.position_ids_for_documents(lengths)")
         if self.seq_size > 1:
             self._check_same_inputs(buffers if documents is None else [*buffers, documents])
-        self._place(documents, seq_len=buffers[0].shape[buffer_seq_dims[0]] if buffers else None)
+        seq_len = buffers[0].shape[buffer_seq_dims[0]] if buffers else None
+        if documents is not None and seq_len is not None and documents.shape[-1] != seq_len:
+            raise CpctlError(f"maybe_context_parallel: documents has {documents.shape[-1]} positions but the "
+                             f"first buffer {seq_len} tokens; pass the full-length position ids")
+        if seq_len is None:
+            seq_len = documents.shape[-1] if documents is not None else 0
+        self._step_layout, self._padding, self._tail_hidden = None, None, None
+        self._padding = padding.plan(seq_len, divisor=self.layout.num_chunks)
+        values = list(pad_values) if pad_values is not None else [None] * len(buffers)
+        if self._padding is not None:
+            self.hide_tail(self._padding.describe())
+            if documents is not None:
+                documents = padding.pad(documents, seq_dim=-1, padding=self._padding, value=padding.POSITIONS)
+        self._place(documents, seq_len=self._padding.padded if self._padding is not None else seq_len)
         originals = []
         with torch.no_grad():
             # Every shard first (each checks its length), so a bad buffer leaves none half-done.
-            shards = [self.shard(b, seq_dim=d) for b, d in zip(buffers, buffer_seq_dims)]
+            shards = [self.shard(self._padded(b, seq_dim=d, value=value), seq_dim=d)
+                      for b, d, value in zip(buffers, buffer_seq_dims, values)]
             self._seq_lengths = {b.shape[d]: s.shape[d] for b, s, d in zip(buffers, shards, buffer_seq_dims)}
+            if self._padding is not None:
+                self._seq_lengths[self._padding.padded] = shards[0].shape[buffer_seq_dims[0]]
+            self.context_entries += 1
+            self.step_local_length = shards[0].shape[buffer_seq_dims[0]] if shards else None
             for buffer, local in zip(buffers, shards):
                 keep = not any(buffer is t for t in no_restore)
                 originals.append(_alias(buffer) if keep and local is not buffer else None)
@@ -436,15 +495,28 @@ class Runtime:
                     if original is not None:
                         buffer.set_(original)
 
-    def _place(self, documents: torch.Tensor | None, *, seq_len: int | None) -> None:
+    def _padded(self, buffer: torch.Tensor, *, seq_dim: int, value: padding.PadValue) -> torch.Tensor:
+        if self._padding is None or buffer.shape[seq_dim] != self._padding.length:
+            return buffer  # nothing to append (a buffer of another length is checked by shard)
+        return padding.pad(buffer, seq_dim=seq_dim, padding=self._padding, value=value)
+
+    def require_ignored_tail(self, labels: torch.Tensor, *, ignore_index: int = -100, what: str) -> None:
+        """The appended tokens' labels must be ignored, or `what` would count them (on every CP rank together)."""
+        appended = self.appended_in_shard(labels.shape[-1], device=labels.device)
+        if appended is None:
+            return
+        counted = bool((labels[..., appended] != ignore_index).any())
+        self.raise_together(
+            f"{what} counts the tokens appended at the end ({self._padding.describe()} to split over the CP "
+            f"ranks): their labels are not {ignore_index}; build labels that end with {ignore_index} "
+            "(cpctl.shift_labels), pass pad_values with -100 for them, or make the length a multiple of "
+            f"{self.layout.num_chunks}" if counted else None)
+
+    def _place(self, documents: torch.Tensor | None, *, seq_len: int) -> None:
         """This step's layout and documents: head-tail, or by cost when documents are packed."""
         self._step_layout, self._documents, self.cp_balance = None, None, None
         if documents is None:
             return
-        if seq_len is not None and documents.shape[-1] != seq_len:
-            raise CpctlError(f"maybe_context_parallel: documents has {documents.shape[-1]} positions but the "
-                             f"first buffer {seq_len} tokens; pass the full-length position ids")
-        seq_len = documents.shape[-1]
         self._documents = packing.documents_or_none(packing.starts_per_row(documents))
         if self._documents is None or not self.config.parallelism.cp_load_balance or self.cp_size == 1:
             return
@@ -499,6 +571,7 @@ class Runtime:
     def token_mean(self, loss_sum: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor:
         """The token-mean loss of the whole dp x cp batch, from this rank's summed loss (see losses.token_mean)."""
         self.require_sharded(labels, name="token_mean's labels", seq_dim=1 if labels.dim() > 1 else 0)
+        self.require_ignored_tail(labels, ignore_index=ignore_index, what="rt.token_mean's loss")
         return losses.token_mean(loss_sum, labels, group=self.axes["dp_cp"], ignore_index=ignore_index)
 
     def causal_lm_loss(self, model: nn.Module, *, input_ids: torch.Tensor, labels: torch.Tensor,
@@ -508,6 +581,9 @@ class Runtime:
         `labels` unshifted, as transformers takes them; under CP sharded like input_ids."""
         for name, tensor in (("input_ids", input_ids), ("labels", labels)):
             self.require_sharded(tensor, name=f"causal_lm_loss's {name}", seq_dim=1)
+        appended = self.appended_in_shard(labels.shape[1], device=labels.device) if self.cp_active else None
+        if appended is not None:  # labels by name: the appended tokens are ignored
+            labels = labels.masked_fill(appended, huggingface.IGNORE_INDEX)
         return huggingface.causal_lm_loss(model, self, input_ids=input_ids, labels=labels,
                                           chunk_tokens=self.config.memory.loss_chunk_tokens, **kwargs)
 
@@ -517,6 +593,7 @@ class Runtime:
         (see losses.document_mean); inputs are this rank's (batch, local_seq) shards."""
         for name, tensor in (("labels", labels), ("position_ids", position_ids)):
             self.require_sharded(tensor, name=f"document_mean's {name}", seq_dim=1)
+        self.require_ignored_tail(labels, ignore_index=ignore_index, what="rt.document_mean's loss")
         full_positions = self.unshard(position_ids, seq_dim=1)
         positions = torch.arange(full_positions.shape[1], device=labels.device).expand_as(full_positions)
         return losses.document_mean(token_losses, labels, starts=packing.starts_per_row(full_positions),

@@ -1,0 +1,177 @@
+"""The transformers Trainer on cpctl's engine: what it does under CP, made one process's.
+
+The Trainer shards each batch through `accelerator.maybe_context_parallel` (its
+`_prepare_context_parallel_inputs`), so through cpctl's engine on the accelerate route. Its
+steps are adapted, in the worker only, through the patch registry (cpctl.integrations.patches):
+
+* `_prepare_context_parallel_inputs`: the "attention must be sdpa" check is skipped for a model
+  cpctl prepared (its attention is cpctl's implementation, which checks masks itself), and the
+  buffers go to `rt.maybe_context_parallel` with what to append by name when a length does not
+  divide (labels -100, attention mask 0, positions counted on: cpctl.runtime.padding);
+* `compute_loss`: its loss is the model's local sum over the Trainer's own count of label tokens
+  (`num_items_in_batch`), scaled so that the gradient average over dp x cp gives the global mean:
+  inside it the runtime lets the model take that count; in evaluation the CP ranks' losses are
+  averaged, since accelerate's `gather_for_metrics` may keep one CP rank's value;
+* `prediction_step`: the logits of a sharded step are gathered back over the CP group in token
+  order (without the appended tokens), so predictions line up with the labels, which the Trainer
+  keeps whole: `compute_metrics` and `preprocess_logits_for_metrics` see one process's arrays;
+* `__init__`: a TRL trainer gets TRL's adaptations (cpctl.integrations.trl) on first use;
+* `TrainingArguments.__post_init__`: `bf16=True` / `fp16=True` in the script must be the
+  profile's `fsdp.mixed_precision` (TrainingArguments would otherwise win over the launch
+  silently, and refuse bf16 on a CPU with a message about `use_cpu`); when both say bf16 on a
+  CPU launch, transformers is told the run is on the CPU, where torch computes bf16 too.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any
+
+import torch
+
+from cpctl.errors import CpctlError
+from cpctl.integrations import huggingface
+from cpctl.integrations.patches import PATCHES, require_known
+from cpctl.runtime.padding import IGNORE_INDEX, POSITIONS
+from cpctl.versions import KNOWN_TRANSFORMERS
+
+# What the Trainer's inputs append, by name, when a length does not divide (others: cpctl's rule).
+PAD_BY_NAME = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": POSITIONS}
+
+
+def install(runtime: Any) -> None:
+    """Adapt transformers' Trainer (if installed) to cpctl's engine for `runtime`."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        return
+    from transformers import Trainer, TrainingArguments
+
+    PATCHES.replace(TrainingArguments, "__post_init__", lambda original: _precision_checked(original, runtime.config),
+                    why="the script's bf16/fp16 must be the profile's mixed precision")
+
+    if getattr(Trainer, "_prepare_context_parallel_inputs", None) is None:
+        return  # a Trainer without context parallelism: nothing to adapt
+    if runtime.seq_size > 1:
+        require_known("transformers", KNOWN_TRANSFORMERS, what="the Trainer under context parallelism")
+    PATCHES.replace(Trainer, "_prepare_context_parallel_inputs", lambda original: _sharding(original, runtime),
+                    why="shards through cpctl's engine, padding by name; no sdpa-name check for cpctl's attention")
+    PATCHES.replace(Trainer, "compute_loss", lambda original: _counting(original, runtime),
+                    why="the Trainer's token count is exact under CP; CP ranks' evaluation losses averaged")
+    PATCHES.replace(Trainer, "prediction_step", lambda original: predicting(original, runtime),
+                    why="logits of a sharded step gathered in token order for metrics")
+    PATCHES.replace(Trainer, "__init__", lambda original: _noticing_trl(original, runtime),
+                    why="a TRL trainer gets TRL's adaptations")
+
+
+def _precision_checked(post_init: Any, profile: Any) -> Any:
+    @functools.wraps(post_init)
+    def checked(self, *args, **kwargs):
+        asked = "bf16" if self.bf16 else "fp16" if self.fp16 else None
+        wanted = profile.fsdp.mixed_precision
+        if asked is not None and asked != wanted:
+            raise CpctlError(f"the script's TrainingArguments set {asked}=True (profile: fsdp.mixed_precision {wanted}); "
+                             f"set the precision in one place: {asked}=False in the script (--{asked} false where it "
+                             f"parses TrainingArguments, as TRL's and transformers' scripts do), or cpctl launch "
+                             f"--mixed-precision {asked}")
+        if asked is not None and profile.launch.device == "cpu":
+            self.use_cpu = True  # the launch is on the CPU: transformers allows bf16 there only when told so
+        return post_init(self, *args, **kwargs)
+
+    return checked
+
+
+def _sharding(prepare_inputs: Any, runtime: Any) -> Any:
+    @functools.wraps(prepare_inputs)
+    def sharding(self, model, inputs):
+        config = getattr(self.accelerator.unwrap_model(model), "config", None)
+        cpctl_attention = getattr(config, "_attn_implementation", None) == huggingface.IMPLEMENTATION
+        context, inputs = prepare_inputs(self, None if cpctl_attention else model, inputs)
+        buffers = getattr(context, "keywords", {}).get("buffers")
+        if buffers is None:  # CP is off: the Trainer's own null context
+            return context, inputs
+        names = {id(tensor): name for name, tensor in inputs.items() if isinstance(tensor, torch.Tensor)}
+        pad_values = [PAD_BY_NAME.get(names.get(id(buffer))) for buffer in buffers]
+        return functools.partial(runtime.maybe_context_parallel, buffers=buffers,
+                                 buffer_seq_dims=context.keywords["buffer_seq_dims"],
+                                 no_restore_buffers=context.keywords["no_restore_buffers"],
+                                 pad_values=pad_values), inputs
+
+    return sharding
+
+
+def _counting(compute_loss: Any, runtime: Any) -> Any:
+    @functools.wraps(compute_loss)
+    def counted_by_the_trainer(self, model, *args, **kwargs):
+        if model.training and runtime.world_size > 1 and not averages_gradients(model):
+            raise CpctlError(f"the Trainer trains a model that no DDP or FSDP wraps, on {runtime.world_size} processes: "
+                             "their gradients would never be averaged (transformers skips the wrapping when "
+                             "trainer.evaluate() runs before trainer.train()); call train() first")
+        with runtime.caller_counts_loss_tokens():
+            result = compute_loss(self, model, *args, **kwargs)
+        if model.training or runtime.seq_size == 1:
+            return result
+        loss = result[0] if isinstance(result, tuple) else result
+        loss = cp_mean(runtime, loss)
+        return (loss, *result[1:]) if isinstance(result, tuple) else loss
+
+    return counted_by_the_trainer
+
+
+def cp_mean(runtime: Any, loss: torch.Tensor) -> torch.Tensor:
+    """Each CP rank's loss covers its shard (scaled by the Trainer by the number of ranks):
+    their mean is the batch's loss, given to every CP rank."""
+    loss = loss.detach().clone()
+    torch.distributed.all_reduce(loss, group=runtime.seq_group)
+    return loss / runtime.seq_size
+
+
+def predicting(prediction_step: Any, runtime: Any) -> Any:
+    """`prediction_step` whose logits, when the step was sharded, are gathered back whole."""
+    @functools.wraps(prediction_step)
+    def predicted_whole(self, model, inputs, *args, **kwargs):
+        entries = runtime.context_entries
+        loss, logits, labels = prediction_step(self, model, inputs, *args, **kwargs)
+        if logits is not None and runtime.context_entries != entries and runtime.seq_size > 1:
+            logits = unshard_outputs(runtime, logits)
+        return loss, logits, labels
+
+    return predicted_whole
+
+
+def unshard_outputs(runtime: Any, outputs: Any) -> Any:
+    """Tensors of the last step's local length along dim 1, gathered over the CP group in token order."""
+    local = runtime.step_local_length
+    if isinstance(outputs, torch.Tensor):
+        return runtime.unshard(outputs, 1) if outputs.dim() >= 2 and outputs.shape[1] == local else outputs
+    if isinstance(outputs, (tuple, list)):
+        return type(outputs)(unshard_outputs(runtime, item) for item in outputs)
+    if isinstance(outputs, dict):
+        return type(outputs)({key: unshard_outputs(runtime, item) for key, item in outputs.items()})
+    return outputs
+
+
+def _noticing_trl(init: Any, runtime: Any) -> Any:
+    @functools.wraps(init)
+    def init_noticing_trl(self, *args, **kwargs):
+        if "trl" in sys.modules and any(cls.__module__.startswith("trl.") for cls in type(self).__mro__):
+            from cpctl.integrations import trl
+
+            trl.install(runtime)
+        return init(self, *args, **kwargs)
+
+    return init_noticing_trl
+
+
+def averages_gradients(model: Any) -> bool:
+    """Whether `model` is wrapped by something that averages gradients over the ranks."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch 2.6 keeps FSDP2 here
+        from torch.distributed._composable.fsdp import FSDPModule
+
+    return isinstance(model, (DistributedDataParallel, FSDPModule, FullyShardedDataParallel))

@@ -1,0 +1,78 @@
+"""A probe for tests that launch unmodified scripts: did CP really run, and on how many tokens?
+
+Put this folder first on PYTHONPATH and set CP_PROBE_DIR: every worker (Python imports
+`sitecustomize` at start-up) then records, once `cpctl.runtime.runtime` is imported, each
+`maybe_context_parallel` step (the full length, the padded length, the tokens per rank) and the
+query length of every attention call the CP engine computes; at exit it writes
+CP_PROBE_DIR/rank{RANK}.json. It only observes: the calls go through unchanged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.abc
+import importlib.util
+import json
+import os
+import sys
+
+DIR = os.environ.get("CP_PROBE_DIR")
+TARGET = "cpctl.runtime.runtime"
+
+
+def _instrument(module) -> None:
+    runtime_class = module.Runtime
+    record = {"steps": [], "attention_q_lens": [], "cp_size": None}
+    enter, attend = runtime_class.maybe_context_parallel, runtime_class.step_attention
+
+    def maybe_context_parallel(self, **kwargs):
+        context = enter(self, **kwargs)
+
+        class Observed:
+            def __enter__(inner):
+                result = context.__enter__()
+                padding = self.padding
+                record["cp_size"] = self.cp_size
+                record["steps"].append({"local": self.step_local_length,
+                                        "length": padding.length if padding else None,
+                                        "padded": padding.padded if padding else None})
+                return result
+
+            def __exit__(inner, *exc):
+                return context.__exit__(*exc)
+
+        return Observed()
+
+    def step_attention(self, q, k, v, **options):
+        record["attention_q_lens"].append(int(q.shape[-2]))
+        return attend(self, q, k, v, **options)
+
+    runtime_class.maybe_context_parallel = maybe_context_parallel
+    runtime_class.step_attention = step_attention
+
+    def write() -> None:
+        with open(os.path.join(DIR, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:
+            json.dump(record, f)
+
+    atexit.register(write)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = spec.loader
+        exec_module = loader.exec_module
+
+        def exec_and_instrument(module):
+            exec_module(module)
+            _instrument(module)
+
+        loader.exec_module = exec_and_instrument
+        return spec
+
+
+if DIR:
+    sys.meta_path.insert(0, _Finder())
