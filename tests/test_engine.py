@@ -99,3 +99,19 @@ def test_matches_single_process_sdpa(engine_records, world: int, case: dict) -> 
     errors = record["errors"]
     assert sorted(errors) == ["dk", "dq", "dv", "out"]
     assert all(error <= TOLERANCE for error in errors.values()), errors
+
+
+def test_the_kernel_check_computes_its_reference_without_sdpa() -> None:
+    """Inside maybe_context_parallel every SDPA call goes to the CP engine (at cp_size 1 too): the
+    check of a kernel, which may run there at the first attention call, must not call SDPA itself
+    (on one H200 it recursed into the engine in fp64 and refused every kernel)."""
+    import torch
+
+    from cpctl.attention.dispatch import RouteSDPA
+    from cpctl.attention.kernels import KERNELS, verify
+
+    def engine(*args, **kwargs):
+        raise AssertionError("the kernel check called SDPA")
+
+    with RouteSDPA(engine):
+        assert verify(KERNELS["cpu_flash"], device=torch.device("cpu"), dtype=torch.float32, head_dim=16) is None

@@ -184,9 +184,11 @@ def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim
     # The first call may come inside an autograd Function's forward, and inside a checkpointed
     # block: compute the reference with grad on and with identity saved-tensor hooks, so the
     # checkpoint does not count this side computation among the block's saved tensors.
+    # The reference is spelled out in matmuls, not as an SDPA call: inside maybe_context_parallel
+    # an SDPA call is routed to the CP engine, which would check its kernels again, in fp64.
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
-        ref = torch.nn.functional.scaled_dot_product_attention(*ref_inputs, is_causal=True)
+        ref = _causal_attention_fp64(*ref_inputs)
         ref.backward(dout.double())
     expected = [ref.detach(), *(t.grad for t in ref_inputs)]
     try:
@@ -200,6 +202,13 @@ def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim
     error = max((got.double() - want).abs().max().item() for got, want in zip([out, *grads], expected))
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     return None if error <= tolerance else f"wrong results (max error {error:.3g})"
+
+
+def _causal_attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention the plain way (scores, mask, softmax), for `verify`'s reference."""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    above = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu(1)
+    return scores.masked_fill(above, float("-inf")).softmax(dim=-1) @ v
 
 
 def seq_major(t: torch.Tensor) -> torch.Tensor:
