@@ -124,7 +124,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--cp-load-balance", "--fsdp-version", "--reshard-after-forward", "--mixed-precision",
         "--activation-checkpointing", "--attention", "--device", "--nnodes", "--nproc-per-node",
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
-        "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine",
+        "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine", "--model",
     }
     # accelerate launch's flags for what cpctl has (its underscore spellings match as dashes)
     accelerate = {
