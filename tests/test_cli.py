@@ -133,6 +133,8 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--num-processes", "--num-machines", "--machine-rank", "--main-process-ip", "--main-process-port",
         "--max-restarts", "--cpu", "--multi-gpu", "--mixed-precision", "--fsdp-version", "--fsdp-reshard-after-forward",
         "--fsdp-activation-checkpointing", "--fsdp-offload-params", "--use-fsdp", "--use-parallelism-config",
+        "--parallelism-config-sp-size", "--parallelism-config-sp-attn-implementation", "--parallelism-config-sp-backend",
+        "--parallelism-config-sp-seq-length", "--parallelism-config-sp-seq-length-is-variable",
     }
     accelerate -= expected  # --max-restarts, --mixed-precision, --fsdp-version: cpctl's own already
     own = {

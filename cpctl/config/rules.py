@@ -286,18 +286,19 @@ CPCTL_MODEL_OPTIONS = ("memory.tiled_mlp_tokens", "memory.offload_activations", 
 
 def _accelerate_limits(v: Mapping[str, Any], machine: Machine | None) -> str | None:
     """Layouts an accelerate script cannot have: refused here, before any worker starts."""
-    if v["launch.script_api"] != "accelerate":
+    sp = v["parallelism.sp_size"]
+    if v["launch.script_api"] != "accelerate" or sp == AUTO:
         return None
-    if v["parallelism.sp_size"] > 1:
-        return (f"sp_size {v['parallelism.sp_size']} with launch.script_api: accelerate: cpctl does not yet put its "
-                "Ulysses engine behind accelerate (whose own sp needs DeepSpeed); write the script with cpctl's "
-                "runtime, or set sp_size: 1")
+    if sp > 1 and v["parallelism.cp_engine"] == "native":
+        return (f"sp_size {sp} with cp_engine: native: PyTorch's context_parallel has no Ulysses (accelerate's own "
+                "sp runs on DeepSpeed); set cp_engine: cpctl, whose Ulysses runs it on FSDP2, or sp_size: 1")
     if v["parallelism.tp_size"] > 1:
         return (f"tp_size {v['parallelism.tp_size']} with launch.script_api: accelerate: cpctl does not yet check "
                 "accelerate's tensor parallelism against its engine; set tp_size: 1")
-    if v["parallelism.cp_size"] > 1 and v["parallelism.dp_replicate_size"] > 1 and v["parallelism.dp_shard_size"] == 1:
-        return ("cp_size > 1 with dp_replicate_size > 1 and dp_shard_size 1: accelerate's ParallelismConfig refuses "
-                "this layout; use dp_shard_size instead of dp_replicate_size")
+    # accelerate sees the cp x sp ranks as its cp axis (cpctl.integrations.accelerate_sp)
+    if v["parallelism.cp_size"] * sp > 1 and v["parallelism.dp_replicate_size"] > 1 and v["parallelism.dp_shard_size"] == 1:
+        return ("cp_size or sp_size > 1 with dp_replicate_size > 1 and dp_shard_size 1: accelerate's ParallelismConfig "
+                "refuses this layout; use dp_shard_size instead of dp_replicate_size")
     return None
 
 
@@ -315,8 +316,8 @@ RULES = (
     Rule(("memory.offload_activations", "fsdp.activation_checkpointing"), _offload_with_checkpoints),
     Rule(("memory.checkpoint_level", "fsdp.activation_checkpointing"), _level_needs_checkpoints),
     Rule(("parallelism.cp_engine", "launch.script_api", "launch.device", *CPCTL_MODEL_OPTIONS), _native_engine_is_accelerates),
-    Rule(("launch.script_api", "parallelism.sp_size", "parallelism.tp_size", "parallelism.cp_size", "parallelism.dp_replicate_size",
-          "parallelism.dp_shard_size"), _accelerate_limits),
+    Rule(("launch.script_api", "parallelism.sp_size", "parallelism.cp_engine", "parallelism.tp_size", "parallelism.cp_size",
+          "parallelism.dp_replicate_size", "parallelism.dp_shard_size"), _accelerate_limits),
 )
 
 

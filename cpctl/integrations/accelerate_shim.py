@@ -31,7 +31,7 @@ from typing import Any
 
 from cpctl import config
 from cpctl.errors import CpctlError
-from cpctl.integrations import huggingface
+from cpctl.integrations import accelerate_sp, huggingface
 from cpctl.versions import KNOWN_ACCELERATE, is_known
 
 
@@ -80,12 +80,15 @@ def install(profile: config.Profile, runtime: Any | None) -> None:
 
     @functools.wraps(init)
     def checked_init(self, *args, **kwargs):
+        if kwargs.get("parallelism_config") is not None:  # before accelerate builds a mesh of other sizes
+            _check_config_sizes(kwargs["parallelism_config"], profile)
         init(self, *args, **kwargs)
         _check_sizes(self, profile)
 
     Accelerator.__init__ = checked_init
     if runtime is None:
         return
+    accelerate_sp.show_sp_as_cp()  # sp_size runs on cpctl's Ulysses: accelerate sees cp x sp ranks as cp
     # `prepare` (FSDP2 prepares models without prepare_model) and `prepare_model` (which
     # `prepare` may call, and the Trainer calls alone to evaluate) both adopt the model, once.
     Accelerator.prepare = _adopting(Accelerator.prepare, runtime)
@@ -235,15 +238,22 @@ def _check_sizes(accelerator: Any, profile: config.Profile) -> None:
     """The Accelerator's sizes against the profile's: one layout, or a clear error."""
     built = getattr(accelerator, "parallelism_config", None)
     parallel = profile.parallelism
-    wanted = {"dp_replicate_size": parallel.dp_replicate_size, "dp_shard_size": parallel.dp_shard_size,
-              "cp_size": parallel.cp_size, "sp_size": parallel.sp_size, "tp_size": parallel.tp_size}
     if built is None:
-        if parallel.cp_size > 1:
-            raise CpctlError(f"the script's Accelerator has no parallelism_config, so cp_size {parallel.cp_size} would be "
-                             "ignored; build it as Accelerator() (cpctl sets the environment it reads) or pass "
+        if parallel.cp_size * parallel.sp_size > 1:
+            sizes = f"cp_size {parallel.cp_size}" + (f" and sp_size {parallel.sp_size}" if parallel.sp_size > 1 else "")
+            raise CpctlError(f"the script's Accelerator has no parallelism_config, so {sizes} would be ignored; build "
+                             "it as Accelerator() (cpctl sets the environment it reads) or pass "
                              "parallelism_config=ParallelismConfig()")
         return
-    got = {name: getattr(built, name, None) for name in wanted}
+    _check_config_sizes(built, profile)
+
+
+def _check_config_sizes(built: Any, profile: config.Profile) -> None:
+    """A ParallelismConfig's sizes (as the script asked them) against the profile's."""
+    parallel = profile.parallelism
+    wanted = {"dp_replicate_size": parallel.dp_replicate_size, "dp_shard_size": parallel.dp_shard_size,
+              "cp_size": parallel.cp_size, "sp_size": parallel.sp_size, "tp_size": parallel.tp_size}
+    got = {name: getattr(built, name, None) for name in wanted} | accelerate_sp.requested(built)
     differ = [f"{name} {got[name]} (profile: {wanted[name]})" for name in wanted if got[name] != wanted[name]]
     if differ:
         raise CpctlError(f"the script's ParallelismConfig sets {', '.join(differ)}; set the sizes in one place: "

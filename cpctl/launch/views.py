@@ -254,6 +254,11 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None, note
             variables.add_row(name, value)
         out.print(variables)
         out.print(f"Attention under CP: [bold]{ENGINES[engine]}[/] (parallelism.cp_engine: {engine})", soft_wrap=True)
+        par = profile.parallelism
+        if par.sp_size > 1:
+            out.print(f"sp_size {par.sp_size}: cpctl's Ulysses, not DeepSpeed's: the script's Accelerator sees the "
+                      f"{par.cp_size * par.sp_size} ranks of each sequence as its cp axis (FSDP, the batch and the loss "
+                      "treat them alike), and cpctl's engine splits them into Ulysses and the ring", soft_wrap=True)
 
     out.print()
     out.print("[bold]Worker command[/] (what cpctl launch runs, as a shell line):")
