@@ -44,7 +44,7 @@ def choose_layout(model: ModelShape, *, seq_ranks: int, ranks_per_node: int = GP
     Ranks are numbered as the mesh numbers them (tp fastest, then sp, then cp), so an sp group of
     a tp x sp block of consecutive ranks is inside one node when that block divides the node.
     """
-    heads, kv_heads = model.n_heads // tp, max(1, model.n_kv_heads // tp)
+    heads, kv_heads = max(1, model.n_heads // tp), max(1, model.n_kv_heads // tp)
     per_tp = " of its tp rank" if tp > 1 else ""
     if seq_ranks == 1:
         return Layout(1, 1, "one rank per sequence (cp_size 1): nothing to split")
