@@ -10,6 +10,8 @@ Nothing here knows cpctl: an `Accelerator()` that reads its parallel sizes from 
         scripts/accelerate_cp.py                                      # cp 2, cpctl's engine, gloo
     cpctl launch --cpu --num_processes 2 --parallelism_config_cp_size 2 \\
         scripts/accelerate_cp.py                                      # the same, in accelerate's flags
+    cpctl launch --device cpu --nproc-per-node 4 --sp-size 2 \\
+        scripts/accelerate_cp.py --sp-size 2                          # sp 2 x dp_shard 2: cpctl's Ulysses
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ def parse_args():
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--sliding-window", type=int, default=None,
                    help="a Mistral with this sliding window instead of the Llama (accelerate's own path refuses it)")
+    p.add_argument("--sp-size", type=int, default=None,
+                   help="ParallelismConfig(sp_size=N), as a script for accelerate's (DeepSpeed) sequence parallelism "
+                        "sets it; cpctl runs it on its Ulysses")
     p.add_argument("--losses-out", default=None, help="write the per-step losses here as JSON")
     return p.parse_args()
 
@@ -52,7 +57,7 @@ def batches(vocab_size: int, *, steps: int, batch: int, seq_len: int) -> list[di
 def main() -> None:
     args = parse_args()
     # ParallelismConfig() reads PARALLELISM_CONFIG_*; without them (plain python) it is one process.
-    accelerator = Accelerator(parallelism_config=ParallelismConfig())
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(sp_size=args.sp_size))
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,

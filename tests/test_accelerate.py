@@ -38,7 +38,15 @@ LAYOUTS = {
     # (the source builds an Accelerator), accelerate's flags with their meaning
     "accelerate-flags": (("--cpu", "--num_processes", "2", "--parallelism_config_cp_size", "2", "--use_fsdp",
                           "--fsdp_version", "2", "--mixed_precision", "no"), ()),
+    # Ulysses x ring on 4 processes: the profile's sizes reach an unmodified ParallelismConfig() ...
+    "sp2-cp2": (("--device", "cpu", "--nproc-per-node", "4", "--cp-size", "2", "--sp-size", "2",
+                 "--script-api", "accelerate"), ()),
+    # ... and a script that asks accelerate for sp itself (DeepSpeed's, in accelerate) runs on cpctl's
+    "sp2-dp2-script": (("--device", "cpu", "--nproc-per-node", "4", "--sp-size", "2", "--script-api", "accelerate"),
+                       (), ("--sp-size", "2")),
 }
+# processes, and tokens per process of the 64-token rows: each sequence split over cp x sp ranks
+SPLIT = {"sp2-cp2": (4, 16), "sp2-dp2-script": (4, 32)}
 
 
 def plain_run(tmp: Path, *extra: str) -> list[float]:
@@ -46,10 +54,10 @@ def plain_run(tmp: Path, *extra: str) -> list[float]:
 
 
 def launch_layout(tmp: Path, layout: str) -> dict:
-    flags, script_args = LAYOUTS[layout]
+    flags, script_args, *launched_only = LAYOUTS[layout]  # launched_only: not for the one-process reference
     out = tmp / "losses.json"
-    code, stdout, stderr = finish(cpctl(*flags, str(SCRIPT), *ARGS, *script_args, "--losses-out", str(out),
-                                        tmp_path=tmp))
+    code, stdout, stderr = finish(cpctl(*flags, str(SCRIPT), *ARGS, *script_args, *(launched_only or [()])[0],
+                                        "--losses-out", str(out), tmp_path=tmp))
     if code != 0 or not out.exists():
         pytest.fail(f"cpctl launch {layout} exited {code}:\n{stdout}\n{stderr}")
     return {"run": json.loads(out.read_text()), "reference": plain_run(tmp, *script_args), "stderr": stderr}
@@ -64,8 +72,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory):
 def test_the_guide_loop_under_cp_gives_the_one_process_losses(launched, layout: str) -> None:
     result = launched(layout)
     run, reference = result["run"], result["reference"]
-    # two processes each with half the sequence: CP, not two copies of a one-process job (same losses)
-    assert (run["world"], run["local_tokens"]) == (2, 32) and len(run["losses"]) == len(reference) == 4
+    # each process with its part of the sequence: CP, not copies of a one-process job (same losses)
+    assert (run["world"], run["local_tokens"]) == SPLIT.get(layout, (2, 32)) and len(run["losses"]) == len(reference) == 4
     for step, (got, want) in enumerate(zip(run["losses"], reference)):
         assert abs(got - want) <= TOLERANCE, f"step {step}: {got} vs {want} (all: {run['losses']})"
 
@@ -162,6 +170,12 @@ def test_what_the_script_and_the_launch_both_set_must_agree(tmp_path: Path, case
     assert code == 1, out + err
     assert message in err and "in one place" in err.split(message)[1]
     assert "Traceback" not in err
+    # accelerate's sp asked in the script only: said before accelerate builds a mesh of 4 on 2 processes
+    script.write_text("from accelerate import Accelerator\nfrom accelerate.utils import ParallelismConfig\n"
+                      "Accelerator(parallelism_config=ParallelismConfig(sp_size=2))\n")
+    code, out, err = finish(cpctl(*CP2, str(script), tmp_path=tmp_path))
+    assert code == 1 and "the script's ParallelismConfig sets sp_size 2 (profile: 1)" in err, out + err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize(("flags", "fragment"), [
@@ -169,6 +183,8 @@ def test_what_the_script_and_the_launch_both_set_must_agree(tmp_path: Path, case
     (("--cp-engine", "native", "--device", "cuda", "--nproc-per-node", "2", "--script-api", "cpctl"),
      "a cpctl script always runs on cpctl's engine"),
     (("--nproc-per-node", "4", "--tp-size", "2"), "tp_size 2 with launch.script_api: accelerate"),
+    (("--cp-engine", "native", "--device", "cuda", "--nproc-per-node", "4", "--sp-size", "2"),
+     "sp_size 2 with cp_engine: native: PyTorch's context_parallel has no Ulysses"),
     (("--nproc-per-node", "4", "--dp-replicate-size", "2"), "accelerate's ParallelismConfig refuses this layout"),
 ])
 def test_what_accelerate_cannot_run_is_one_line_before_any_worker(tmp_path: Path, flags, fragment) -> None:

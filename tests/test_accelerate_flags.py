@@ -48,6 +48,23 @@ def test_a_seed_command_line_with_the_launchers_name_changed(script: Path) -> No
             "--rdzv-endpoint=10.0.0.1:29400 --tee=3 -- train.py --lr 1") in out
 
 
+def test_accelerates_sequence_parallelism_is_cpctls_ulysses(script: Path) -> None:
+    """accelerate launch's sp flags (DeepSpeed's Ulysses there) set cpctl's sp_size; what DeepSpeed
+    must be told in advance is accepted with a note, a backend other than deepspeed is refused."""
+    rows, out = dry_run("--cpu", "--num_processes", "4", "--parallelism_config_sp_size", "2",
+                        "--parallelism_config_cp_size", "2", "--parallelism_config_sp_backend", "deepspeed",
+                        "--parallelism_config_sp_seq_length", "4096", "--parallelism_config_sp_attn_implementation", "sdpa")
+    assert rows["parallelism.sp_size"] == ["2", "flag --parallelism-config-sp-size"]
+    assert rows["attention"] == ["sdpa", "flag --parallelism-config-sp-attn-implementation"]
+    assert "--parallelism-config-sp-seq-length: what DeepSpeed's Ulysses needs to know in advance" in out
+    assert "--parallelism-config-sp-backend: deepspeed: accelerate's only backend for sp" in out
+    assert_one_line_error(cpctl("launch", "--dry-run", "--cpu", "--parallelism_config_sp_backend", "ring", "train.py"),
+                          "flag --parallelism-config-sp-backend: 'ring' is not allowed; expected deepspeed")
+    assert_one_line_error(cpctl("launch", "--dry-run", "--cpu", "--num_processes", "2", "--parallelism_config_sp_size",
+                                "2", "--parallelism_config_sp_attn_implementation", "flash_attention_2", "train.py"),
+                          "Ulysses sequence parallelism needs attention: sdpa")
+
+
 def test_dashes_and_equals_too(script: Path) -> None:
     rows, _ = dry_run("--cpu", "--num-processes=2", "--parallelism-config-cp-size=2", "--fsdp-offload-params", "false",
                       "--fsdp-activation-checkpointing", "true", "--fsdp_reshard_after_forward", "false",
@@ -113,7 +130,6 @@ def test_the_same_value_twice_is_fine(script: Path) -> None:
     (["--gpu_ids", "0,1"], "CUDA_VISIBLE_DEVICES"),
     (["--dynamo_backend", "inductor"], "torch.compile"),
     (["--megatron_lm_tp_degree", "2"], "Megatron-LM"),
-    (["--parallelism_config_sp_size", "2"], "sequence parallelism"),
     (["--num_cpu_threads_per_process", "4"], "OMP_NUM_THREADS"),
     (["--rdzv_backend", "static"], "cpctl chooses the rendezvous"),
     (["--tpu"], "NVIDIA GPUs and CPUs"),

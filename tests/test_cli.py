@@ -125,7 +125,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--activation-checkpointing", "--attention", "--device", "--nnodes", "--nproc-per-node",
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
         "--selective-blocks",
-        "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine",
+        "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine", "--model",
     }
     # accelerate launch's flags for what cpctl has (its underscore spellings match as dashes)
     accelerate = {
@@ -134,6 +134,8 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--num-processes", "--num-machines", "--machine-rank", "--main-process-ip", "--main-process-port",
         "--max-restarts", "--cpu", "--multi-gpu", "--mixed-precision", "--fsdp-version", "--fsdp-reshard-after-forward",
         "--fsdp-activation-checkpointing", "--fsdp-offload-params", "--use-fsdp", "--use-parallelism-config",
+        "--parallelism-config-sp-size", "--parallelism-config-sp-attn-implementation", "--parallelism-config-sp-backend",
+        "--parallelism-config-sp-seq-length", "--parallelism-config-sp-seq-length-is-variable",
     }
     accelerate -= expected  # --max-restarts, --mixed-precision, --fsdp-version: cpctl's own already
     own = {

@@ -58,7 +58,7 @@ def test_trl_and_the_trainer_are_patched_through_the_registry_and_restored() -> 
         (Trainer, "compute_loss"), (Trainer, "prediction_step"), (Trainer, "__init__"),
         (TrainingArguments, "__post_init__"), (SFTTrainer, "prediction_step"), (ParallelismConfig, "cp_enabled"))}
     profile = SimpleNamespace(fsdp=SimpleNamespace(mixed_precision="no"), launch=SimpleNamespace(device="cpu"))
-    runtime = SimpleNamespace(cp_size=2, config=profile)
+    runtime = SimpleNamespace(cp_size=2, seq_size=2, config=profile)
     try:
         trainer.install(runtime)
         trl.install(runtime)

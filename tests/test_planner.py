@@ -413,8 +413,8 @@ def test_ulysses_layouts_in_the_plan() -> None:
     assert planner.make_plan(model, CHUNKED.with_cp(8), 64 * K).longest_sp[-1][1].sp == 8
     from cpctl.planner.layouts import choose_layout
     odd = dataclasses.replace(model, n_heads=12, n_kv_heads=2)
-    assert (choose_layout(odd, gpus=8).sp, choose_layout(odd, gpus=8).cp) == (4, 2)
-    assert "repeated 2x" in choose_layout(odd, gpus=8).reason
+    assert (choose_layout(odd, seq_ranks=8).sp, choose_layout(odd, seq_ranks=8).cp) == (4, 2)
+    assert "repeated 2x" in choose_layout(odd, seq_ranks=8).reason
 
 
 @pytest.mark.usefixtures("isolated")

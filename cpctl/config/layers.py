@@ -250,7 +250,8 @@ def torchrun_layer(environ: Mapping[str, str]) -> Layer:
     local_world = int(environ.get("LOCAL_WORLD_SIZE", str(world)))
     texts: dict[str, Any] = {"launch.nproc_per_node": local_world, "launch.nnodes": world // local_world}
     if world == 1:  # plain `python script.py`: nothing to parallelise
-        texts.update({f"parallelism.{name}": 1 for name in ("dp_replicate_size", "dp_shard_size", "cp_size", "tp_size")})
+        texts.update({f"parallelism.{name}": 1 for name in ("dp_replicate_size", "dp_shard_size", "cp_size", "sp_size",
+                                                             "tp_size")})
     if world > local_world:
         texts["launch.rdzv_endpoint"] = f"{environ.get('MASTER_ADDR', 'localhost')}:{environ.get('MASTER_PORT', '29500')}"
     return text_layer(texts, source_of=lambda k: "torchrun environment")

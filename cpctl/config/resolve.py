@@ -68,7 +68,7 @@ def complete(layer: L.Layer, *, machine: Machine, files: tuple[Path, ...] = (),
              script: ScriptUse | None = None) -> Resolved:
     """`auto` filled on `machine` (and `launch.script_api` from `script`), every rule checked,
     the typed Profile built."""
-    values, why = fill_auto(layer.values, machine=machine, script=script)
+    values, why = fill_auto(layer.values, machine=machine, script=script, sources=layer.sources)
     problem = first_problem(values, machine=machine)
     if problem is not None:
         raise CpctlError(problem)

@@ -68,15 +68,18 @@ def target_machine(values: Mapping[str, Any], *, detected: Machine) -> tuple[Mac
 # ----------------------------------------------------------------------------- auto
 
 
-def fill_auto(values: Mapping[str, Any], *, machine: Machine,
-              script: ScriptUse | None = None) -> tuple[Flat, dict[str, str]]:
+def fill_auto(values: Mapping[str, Any], *, machine: Machine, script: ScriptUse | None = None,
+              sources: Mapping[str, str] | None = None) -> tuple[Flat, dict[str, str]]:
     """Every `auto` among `values` that the known values decide, and why; others stay `auto`
     (the rules then say what is wrong). `launch.script_api` is decided by the script's source
-    (`script`, which raises CpctlError when it cannot decide); without a script, it is cpctl's."""
+    (`script`, which raises CpctlError when it cannot decide); without a script, it is cpctl's.
+    `parallelism.sp_size` by the model's shape (its `model` is read; CpctlError if it cannot be);
+    `sources` (where each value came from) names the cp_size it splits."""
     filled, why = dict(values), {}
     if filled.get("launch.script_api") == AUTO and isinstance(filled.get("parallelism.cp_size"), int):
-        if script is not None:
-            api, reason = script.route(cp_size=filled["parallelism.cp_size"])
+        sp = filled.get("parallelism.sp_size")
+        if script is not None:  # the ranks that split a sequence (with sp auto, cp_size counts them all)
+            api, reason = script.route(cp_size=filled["parallelism.cp_size"] * (sp if isinstance(sp, int) else 1))
         elif filled.get("parallelism.cp_engine") == "native":
             api, reason = "accelerate", "cp_engine native is accelerate's"
         else:
@@ -92,6 +95,8 @@ def fill_auto(values: Mapping[str, Any], *, machine: Machine,
         if count > 0:
             filled["launch.nproc_per_node"] = count
             why["launch.nproc_per_node"] = "auto (visible GPUs)" if device == "cuda" else f"auto ({count} on cpu)"
+    if filled.get("parallelism.sp_size") == AUTO:
+        _split_sequence(filled, why, sources=sources or {})
     sizes = [filled.get(f"parallelism.{name}") for name in ("dp_replicate_size", "cp_size", "sp_size", "tp_size")]
     world = world_size(filled)
     if filled.get("parallelism.dp_shard_size") == AUTO and world and all(isinstance(s, int) for s in sizes):
@@ -103,6 +108,24 @@ def fill_auto(values: Mapping[str, Any], *, machine: Machine,
         filled["fsdp.mixed_precision"] = "bf16" if device == "cuda" else "no"
         why["fsdp.mixed_precision"] = f"auto ({device})"
     return filled, why
+
+
+def _split_sequence(filled: Flat, why: dict[str, str], *, sources: Mapping[str, str]) -> None:
+    """sp_size auto: the cp_size ranks of each sequence become sp x cp, as planner/layouts.py
+    chooses for the model on these machines. Unknown model or machines: left auto."""
+    model, ranks = filled.get("model"), filled.get("parallelism.cp_size")
+    tp, nproc = filled.get("parallelism.tp_size", 1), filled.get("launch.nproc_per_node")
+    if model is None or not all(isinstance(n, int) for n in (ranks, tp, nproc)):
+        return
+    from cpctl.planner.layouts import choose_layout
+    from cpctl.planner.shapes import load_model
+
+    shape = load_model(model)
+    layout = choose_layout(shape, seq_ranks=ranks, ranks_per_node=nproc, tp=tp)
+    filled["parallelism.sp_size"], filled["parallelism.cp_size"] = layout.sp, layout.cp
+    why["parallelism.sp_size"] = f"auto ({shape.name}: {layout.reason})"
+    given = sources.get("parallelism.cp_size", "default")
+    why["parallelism.cp_size"] = f"{given}: {ranks} ranks per sequence, split by sp_size auto into sp {layout.sp} x cp {layout.cp}"
 
 
 def world_size(values: Mapping[str, Any]) -> int | None:
@@ -186,8 +209,17 @@ def _cp_needs_sdpa(v: Mapping[str, Any], machine: Machine | None) -> str | None:
     return None
 
 
+def _sp_auto_needs_model(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    if v["parallelism.sp_size"] == AUTO and v["model"] is None:
+        return ("parallelism.sp_size: auto splits each sequence's ranks into Ulysses x ring from the model's attention "
+                "heads; name the model (--model PRESET or a config.json, model: in the profile) or set sp_size to a number")
+    return None
+
+
 def _sp_needs_fsdp2_and_sdpa(v: Mapping[str, Any], machine: Machine | None) -> str | None:
     sp = v["parallelism.sp_size"]
+    if sp == AUTO:
+        return None
     if sp > 1 and v["fsdp.version"] != 2:
         return f"fsdp.version: {v['fsdp.version']} with sp_size {sp}; Ulysses sequence parallelism needs fsdp.version: 2"
     if sp > 1 and v["attention"] != "sdpa":
@@ -263,18 +295,19 @@ CPCTL_MODEL_OPTIONS = ("memory.tiled_mlp_tokens", "memory.offload_activations", 
 
 def _accelerate_limits(v: Mapping[str, Any], machine: Machine | None) -> str | None:
     """Layouts an accelerate script cannot have: refused here, before any worker starts."""
-    if v["launch.script_api"] != "accelerate":
+    sp = v["parallelism.sp_size"]
+    if v["launch.script_api"] != "accelerate" or sp == AUTO:
         return None
-    if v["parallelism.sp_size"] > 1:
-        return (f"sp_size {v['parallelism.sp_size']} with launch.script_api: accelerate: cpctl does not yet put its "
-                "Ulysses engine behind accelerate (whose own sp needs DeepSpeed); write the script with cpctl's "
-                "runtime, or set sp_size: 1")
+    if sp > 1 and v["parallelism.cp_engine"] == "native":
+        return (f"sp_size {sp} with cp_engine: native: PyTorch's context_parallel has no Ulysses (accelerate's own "
+                "sp runs on DeepSpeed); set cp_engine: cpctl, whose Ulysses runs it on FSDP2, or sp_size: 1")
     if v["parallelism.tp_size"] > 1:
         return (f"tp_size {v['parallelism.tp_size']} with launch.script_api: accelerate: cpctl does not yet check "
                 "accelerate's tensor parallelism against its engine; set tp_size: 1")
-    if v["parallelism.cp_size"] > 1 and v["parallelism.dp_replicate_size"] > 1 and v["parallelism.dp_shard_size"] == 1:
-        return ("cp_size > 1 with dp_replicate_size > 1 and dp_shard_size 1: accelerate's ParallelismConfig refuses "
-                "this layout; use dp_shard_size instead of dp_replicate_size")
+    # accelerate sees the cp x sp ranks as its cp axis (cpctl.integrations.accelerate_sp)
+    if v["parallelism.cp_size"] * sp > 1 and v["parallelism.dp_replicate_size"] > 1 and v["parallelism.dp_shard_size"] == 1:
+        return ("cp_size or sp_size > 1 with dp_replicate_size > 1 and dp_shard_size 1: accelerate's ParallelismConfig "
+                "refuses this layout; use dp_shard_size instead of dp_replicate_size")
     return None
 
 
@@ -284,6 +317,7 @@ RULES = (
     Rule(("launch.nnodes", "launch.nproc_per_node"), _sizes_fit_world, also_reads=tuple(AXES)),
     Rule(("parallelism.cp_size", "fsdp.version"), _cp_needs_fsdp2),
     Rule(("parallelism.cp_size", "attention"), _cp_needs_sdpa),
+    Rule(("parallelism.sp_size", "model"), _sp_auto_needs_model),
     Rule(("parallelism.sp_size", "fsdp.version", "attention"), _sp_needs_fsdp2_and_sdpa),
     Rule(("launch.node_rank", "launch.nnodes"), _node_rank_in_range),
     Rule(("launch.nnodes", "launch.rdzv_endpoint"), _nodes_need_rendezvous),
@@ -292,8 +326,8 @@ RULES = (
     Rule(("memory.checkpoint_level", "fsdp.activation_checkpointing"), _level_needs_checkpoints),
     Rule(("memory.selective_blocks", "memory.checkpoint_level"), _selective_blocks_need_auto),
     Rule(("parallelism.cp_engine", "launch.script_api", "launch.device", *CPCTL_MODEL_OPTIONS), _native_engine_is_accelerates),
-    Rule(("launch.script_api", "parallelism.sp_size", "parallelism.tp_size", "parallelism.cp_size", "parallelism.dp_replicate_size",
-          "parallelism.dp_shard_size"), _accelerate_limits),
+    Rule(("launch.script_api", "parallelism.sp_size", "parallelism.cp_engine", "parallelism.tp_size", "parallelism.cp_size",
+          "parallelism.dp_replicate_size", "parallelism.dp_shard_size"), _accelerate_limits),
 )
 
 

@@ -110,6 +110,14 @@ def _endpoint(value: Any) -> bool:
     return bool(match) and 1 <= int(match.group(1)) <= 65535
 
 
+def _model(value: Any) -> bool:
+    return value is None or (isinstance(value, str) and bool(value.strip()))
+
+
+MODEL = Kind("a preset (tiny, 1b, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b), a Hugging Face config.json or its "
+             "directory, or null", _model,
+             lambda text: None if text.strip().lower() in ("", "null", "none") else text.strip())
+
 ENDPOINT = Kind("host:port (port 1-65535) or null", _endpoint,
                 lambda text: None if text.strip().lower() in ("", "null", "none") else text.strip())
 
@@ -139,8 +147,10 @@ class Parallelism:
                              prompt="DP shard size: FSDP shards")
     cp_size: int = key(integer(minimum=1), 1, "ranks that split each sequence (context parallelism)",
                        prompt="CP size: ranks that split each sequence")
-    sp_size: int = key(integer(minimum=1), 1, "Ulysses ranks: they split attention heads inside attention and the "
-                       "sequence outside it, within each cp rank's share (sequence shards = cp x sp)",
+    sp_size: int = key(integer(minimum=1, auto=True), 1, "Ulysses ranks: they split attention heads inside attention "
+                       "and the sequence outside it, within each cp rank's share (sequence shards = cp x sp); auto: "
+                       "the cp_size ranks of each sequence are split into sp x cp from the model's heads and the "
+                       "machines (Ulysses within a node, the ring across), which needs `model`",
                        prompt="SP size (Ulysses): ranks that split attention heads, within one machine")
     tp_size: int = key(integer(minimum=1), 1, "tensor-parallel ranks", prompt="TP size: tensor-parallel ranks")
     cp_comm_strategy: str = key(one_of(*STRATEGIES), "allgather", "how K/V move between CP ranks",
@@ -234,6 +244,10 @@ class Launch:
 @dataclass(frozen=True)
 class Profile:
     version: int = key(one_of(PROFILE_VERSION), PROFILE_VERSION, "profile format version")
+    model: str | None = key(MODEL, None, "the model the script trains, for what depends on its shape: sp_size auto "
+                            "and cpctl plan (read where they need it; a relative path is from where cpctl runs)",
+                            prompt="The model, for sp_size auto (a preset, or a Hugging Face config.json or its "
+                                   "directory)")
     parallelism: Parallelism
     fsdp: Fsdp
     attention: str = key(one_of("sdpa", "eager", "flash_attention_2"), "sdpa", "attention implementation")

@@ -35,7 +35,7 @@ from typing import Any
 
 from cpctl import config
 from cpctl.errors import CpctlError
-from cpctl.integrations import fsdp_saving, trainer
+from cpctl.integrations import accelerate_sp, fsdp_saving, trainer
 from cpctl.integrations.patches import PATCHES
 from cpctl.versions import KNOWN_ACCELERATE, is_known
 
@@ -86,6 +86,10 @@ def install(profile: config.Profile, runtime: Any | None) -> None:
                     why="the script's parallel sizes and strategy must be the profile's")
     if runtime is None:
         return
+    from accelerate.parallelism_config import ParallelismConfig
+
+    PATCHES.replace(ParallelismConfig, "__post_init__", accelerate_sp.sp_shown_as_cp,
+                    why="sp_size runs on cpctl's Ulysses: accelerate sees the cp x sp ranks as cp")
     # `prepare` (FSDP2 prepares models without prepare_model) and `prepare_model` (which
     # `prepare` may call, and the Trainer calls alone to evaluate) both adopt the model, once.
     for name in ("prepare", "prepare_model"):
@@ -254,15 +258,22 @@ def _check_sizes(built: Any, profile: config.Profile) -> None:
     """The script's ParallelismConfig (None: the Accelerator has none) against the profile: one
     layout, or a clear error naming both."""
     parallel = profile.parallelism
-    wanted = {"dp_replicate_size": parallel.dp_replicate_size, "dp_shard_size": parallel.dp_shard_size,
-              "cp_size": parallel.cp_size, "sp_size": parallel.sp_size, "tp_size": parallel.tp_size}
     if built is None:
-        if parallel.cp_size > 1:
-            raise CpctlError(f"the script's Accelerator has no parallelism_config, so cp_size {parallel.cp_size} would be "
-                             "ignored; build it as Accelerator() (cpctl sets the environment it reads) or pass "
+        if parallel.cp_size * parallel.sp_size > 1:
+            sizes = f"cp_size {parallel.cp_size}" + (f" and sp_size {parallel.sp_size}" if parallel.sp_size > 1 else "")
+            raise CpctlError(f"the script's Accelerator has no parallelism_config, so {sizes} would be ignored; build "
+                             "it as Accelerator() (cpctl sets the environment it reads) or pass "
                              "parallelism_config=ParallelismConfig()")
         return
-    got = {name: getattr(built, name, None) for name in wanted}
+    _check_config_sizes(built, profile)
+
+
+def _check_config_sizes(built: Any, profile: config.Profile) -> None:
+    """A ParallelismConfig's sizes (as the script asked them) against the profile's."""
+    parallel = profile.parallelism
+    wanted = {"dp_replicate_size": parallel.dp_replicate_size, "dp_shard_size": parallel.dp_shard_size,
+              "cp_size": parallel.cp_size, "sp_size": parallel.sp_size, "tp_size": parallel.tp_size}
+    got = {name: getattr(built, name, None) for name in wanted} | accelerate_sp.requested(built)
     differ = [f"{name} {got[name]} (profile: {wanted[name]})" for name in wanted if got[name] != wanted[name]]
     strategy = getattr(getattr(built, "cp_handler", None), "cp_comm_strategy", None)
     if parallel.cp_size > 1 and strategy is not None and strategy != parallel.cp_comm_strategy:

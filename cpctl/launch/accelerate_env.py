@@ -42,6 +42,8 @@ def accelerate_env(profile: Any) -> dict[str, str]:
     }
     if parallel.cp_size > 1:
         env["PARALLELISM_CONFIG_CP_COMM_STRATEGY"] = parallel.cp_comm_strategy
+    if parallel.sp_size > 1:  # accelerate's DeepSpeed sp, which the worker runs on cpctl's Ulysses instead
+        env["PARALLELISM_CONFIG_SP_SIZE"] = str(parallel.sp_size)
     if profile.launch.device == "cpu":
         env["ACCELERATE_USE_CPU"] = "true"
     return env

@@ -55,6 +55,9 @@ ALIASES: tuple[Alias, ...] = (
     Alias("--parallelism-config-tp-size", "parallelism.tp_size"),
     Alias("--parallelism-config-cp-size", "parallelism.cp_size"),
     Alias("--parallelism-config-cp-comm-strategy", "parallelism.cp_comm_strategy"),
+    Alias("--parallelism-config-sp-size", "parallelism.sp_size", meaning="sets parallelism.sp_size, as --sp-size does: "
+          "accelerate's DeepSpeed Ulysses becomes cpctl's, on FSDP2"),
+    Alias("--parallelism-config-sp-attn-implementation", "attention"),
     Alias(NUM_PROCESSES, "launch.nproc_per_node", meaning="the processes of all machines together: "
           "nproc_per_node = N / machines"),
     Alias("--num-machines", "launch.nnodes"),
@@ -77,6 +80,12 @@ ALIASES: tuple[Alias, ...] = (
           meaning="what cpctl always does (the profile's sizes are accelerate's ParallelismConfig)"),
     Alias("--parallelism-config-cp-backend", None, allowed=("torch",),
           meaning="torch: accelerate's only backend for CP, the one cpctl configures"),
+    Alias("--parallelism-config-sp-backend", None, allowed=("deepspeed",),
+          meaning="deepspeed: accelerate's only backend for sp; cpctl runs that Ulysses itself, on FSDP2"),
+    Alias("--parallelism-config-sp-seq-length", None,
+          meaning="what DeepSpeed's Ulysses needs to know in advance; cpctl's takes each batch's length"),
+    Alias("--parallelism-config-sp-seq-length-is-variable", None,
+          meaning="what DeepSpeed's Ulysses needs to know in advance; cpctl's takes each batch's length"),
 )
 BY_NAME: dict[str, Alias] = {alias.name: alias for alias in ALIASES}
 
@@ -94,8 +103,6 @@ CANNOT_HONOUR: dict[str, str] = {
                                      "Trainer's TrainingArguments",
     "--use-megatron-lm": "cpctl does not run Megatron-LM; drop it", "--megatron-lm-": "cpctl does not run Megatron-LM; drop it",
     "--fsdp-": _FSDP,
-    "--parallelism-config-sp-": "sequence parallelism (DeepSpeed's Ulysses) is not cpctl's; cpctl splits sequences "
-                                "over --parallelism-config-cp-size (--cp-size) ranks",
     "--dynamo-": "cpctl does not compile the model; call torch.compile in the script",
     "--gpu-ids": "choose the GPUs with CUDA_VISIBLE_DEVICES (CUDA_VISIBLE_DEVICES=0,1 cpctl launch ...)",
     "--num-cpu-threads-per-process": "set OMP_NUM_THREADS (cpctl sets 1 per worker when it is unset)",

@@ -290,7 +290,8 @@ def _note_api_disagrees(profile: Any, use: Any) -> None:
     """launch.script_api set by hand against what the script's source shows: say so first."""
     from cpctl.launch.script_api import disagreement
 
-    why = None if use is None else disagreement(use, api=profile.launch.script_api, cp_size=profile.parallelism.cp_size)
+    ranks = profile.parallelism.cp_size * profile.parallelism.sp_size  # the ranks that split a sequence
+    why = None if use is None else disagreement(use, api=profile.launch.script_api, cp_size=ranks)
     if why is not None:
         _stderr().print(f"[yellow]note:[/] {escape(why)}", soft_wrap=True)
 
@@ -401,9 +402,6 @@ _PLAN = "Plan"
 @profile_flags
 def plan(
     *,
-    model: Annotated[str | None, typer.Option(
-        "--model", help="A preset (tiny, 1b, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b) or a Hugging Face config.json "
-        "(or its directory).", metavar="NAME|PATH", show_default=False, rich_help_panel=_PLAN)] = None,
     seq_len: Annotated[str | None, typer.Option(
         "--seq-len", help="Tokens per sequence: 4096, 128k, 1M.", metavar="TOKENS", show_default=False, rich_help_panel=_PLAN)] = None,
     chunked_loss: Annotated[bool, typer.Option(
@@ -430,16 +428,14 @@ def plan(
     """Estimate the memory per GPU of a training step, and the longest sequence that fits.
 
     Prints the peak broken down by term, what to turn on when it does not fit, and the longest
-    sequence for 1 to 32 GPUs. Arithmetic only: nothing runs, torch is not imported.
+    sequence for 1 to 32 GPUs. The model is the profile's `model` (--model). Arithmetic only:
+    nothing runs, torch is not imported.
     """
     from cpctl import planner
 
     with user_errors():
-        if model is None:
-            raise CpctlError(f"--model is required: a preset ({', '.join(planner.PRESETS)}) or a Hugging Face config.json")
         if seq_len is None:
             raise CpctlError("--seq-len is required, e.g. --seq-len 128k")
-        shape = planner.load_model(model)
         tokens = planner.parse_tokens(seq_len)
         world = None if gpus is None else int(planner.parse_number(gpus, what="--gpus", integer=True))
         memory = planner.parse_number(gpu_memory, what="--gpu-memory", minimum=0.001)
@@ -448,11 +444,15 @@ def plan(
         sequences = int(planner.parse_number(batch, what="--batch", integer=True))
         resolved = planner.resolve_setup(flags=flags, config=config, profile_name=profile, gpus=world,
                                          chunked_loss=chunked_loss, logits_kept=not model_loss, batch=sequences)
+        if resolved.model is None:
+            raise CpctlError(f"--model is required: a preset ({', '.join(planner.PRESETS)}) or a Hugging Face "
+                             "config.json (or model: in the profile)")
+        shape = planner.load_model(resolved.model)
         result = planner.make_plan(shape, resolved.setup, tokens, gpu_memory_gib=memory, host_memory_gib=host,
                                    available=planner.available_options())
     if json_output:
-        typer.echo(json.dumps({**result.to_dict(), "profile": {"target": resolved.target, "note": resolved.note}},
-                              indent=2))
+        shown = {"target": resolved.target, "note": resolved.note, "split_by_sp_size_auto": resolved.split}
+        typer.echo(json.dumps({**result.to_dict(), "profile": shown}, indent=2))
         return
     views.print_memory_plan(result, resolved)
 

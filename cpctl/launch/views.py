@@ -140,9 +140,13 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
         scan.add_row("  these options", *[planner.format_tokens(by_gpus[g][1]) if g in by_gpus and by_gpus[g][1]
                                          else "-" for g, _, _ in result.longest])
     out.print(scan)
-    if result.layout is not None and result.layout.sp > 1:
-        out.print(f"Split for {estimate.setup.seq_ranks} sequence GPUs: --sp-size {result.layout.sp} --cp-size "
-                  f"{result.layout.cp} ({escape(result.layout.reason)}).", soft_wrap=True)
+    layout, ranks = result.layout, setup.seq_ranks
+    if resolved.split is not None:
+        out.print(f"Split of the {ranks} sequence GPUs by sp_size auto: sp {setup.sp} x cp {setup.cp} "
+                  f"({escape(resolved.split)}).", soft_wrap=True)
+    elif layout is not None and (layout.sp, layout.cp) != (setup.sp, setup.cp):
+        out.print(f"Split for {ranks} sequence GPUs: --sp-size {layout.sp} --cp-size {layout.cp}, or --sp-size auto "
+                  f"--cp-size {ranks} ({escape(layout.reason)}).", soft_wrap=True)
 
     def needs(found) -> str:
         return "more than 4096 GPUs" if found is None else f"{found.setup.gpus} GPU{'s' if found.setup.gpus > 1 else ''}"
@@ -161,6 +165,15 @@ def note_without_cp(profile) -> None:
     if profile.parallelism.cp_size == 1 and profile.parallelism.sp_size == 1:
         _stdout().print("[yellow]note:[/] cp_size 1: no context parallelism, each rank holds whole sequences "
                         "(pass --cp-size N, or a profile such as --profile cpu-try)", soft_wrap=True)
+
+
+def auto_split(resolved) -> str | None:
+    """The split sp_size auto chose, and why, in one line (None when sp_size was not auto)."""
+    source = resolved.sources.get("parallelism.sp_size", "")
+    if not source.startswith("auto ("):
+        return None
+    par = resolved.profile.parallelism
+    return f"sp_size auto: sp {par.sp_size} x cp {par.cp_size}, for {source[len('auto ('):-1]}"
 
 
 def ulysses_note(profile) -> str | None:
@@ -236,6 +249,9 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None, note
     out.print(mesh)
     if world > MESH_HEAD_ROWS + MESH_TAIL_ROWS:
         out.print(f"[dim]{world - MESH_HEAD_ROWS - MESH_TAIL_ROWS} ranks not shown[/]")
+    split = auto_split(resolved)
+    if split:
+        out.print(escape(split), soft_wrap=True)
     ulysses = ulysses_note(profile)
     if ulysses:
         out.print(escape(ulysses), soft_wrap=True)
@@ -259,6 +275,11 @@ def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None, note
             variables.add_row(name, value)
         out.print(variables)
         out.print(f"Attention under CP: [bold]{ENGINES[engine]}[/] (parallelism.cp_engine: {engine})", soft_wrap=True)
+        par = profile.parallelism
+        if par.sp_size > 1:
+            out.print(f"sp_size {par.sp_size}: cpctl's Ulysses, not DeepSpeed's: the script's Accelerator sees the "
+                      f"{par.cp_size * par.sp_size} ranks of each sequence as its cp axis (FSDP, the batch and the loss "
+                      "treat them alike), and cpctl's engine splits them into Ulysses and the ring", soft_wrap=True)
 
     out.print()
     out.print("[bold]Worker command[/] (what cpctl launch runs, as a shell line):")

@@ -29,6 +29,7 @@ from cpctl import config
 from cpctl.config import AUTO, KEYS
 from cpctl.config.rules import Machine, fill_auto, first_problem, gpus, world_size
 from cpctl.errors import CpctlError
+from cpctl.launch import views
 
 DEFAULT_OUTPUT = Path(config.LOCAL_PROFILE)
 EXIT_WRITTEN, EXIT_ABORTED, EXIT_INTERRUPTED = 0, 1, 130
@@ -54,7 +55,10 @@ def cross_check(answers: Answers, *, machine: Machine) -> str | None:
     The wizard and `resolve` share the rules (config.rules), so a mistake reads the same in
     `cpctl config` as in `cpctl launch`; a rule waits until all of its keys are answered.
     """
-    filled, target = _filled(answers, machine)
+    try:
+        filled, target = _filled(answers, machine)
+    except CpctlError as exc:  # a model that cannot be read, for sp_size auto
+        return str(exc)
     return first_problem(filled, machine=target)
 
 
@@ -205,11 +209,14 @@ def _ask_all(ask: _Asker) -> None:
     most = f"up to {nproc} on one machine" if isinstance(nproc, int) else "up to the processes per machine"
     ask.text("parallelism.cp_size", f"1 = no context parallelism, {most}; world size {world}",
              default=KEYS["parallelism.cp_size"].default)
-    ask.text("parallelism.sp_size", "1 = no Ulysses; it must divide the model's attention heads",
-             default=KEYS["parallelism.sp_size"].default)
+    ask.text("parallelism.sp_size", "1 = no Ulysses; it must divide the model's attention heads; auto = cpctl splits "
+             "the cp_size ranks into Ulysses x ring from the model", default=KEYS["parallelism.sp_size"].default)
+    if answers["parallelism.sp_size"] == AUTO:  # the one question that needs the model
+        ask.text("model", "e.g. llama-3.1-8b, or path/to/config.json", default=None)
     ask.text("parallelism.tp_size", default=1)
     ask.text("parallelism.dp_replicate_size", default=1)
-    others = (answers["parallelism.dp_replicate_size"] * answers["parallelism.cp_size"] * answers["parallelism.sp_size"]
+    sp = answers["parallelism.sp_size"]  # auto: its ranks are among cp_size's
+    others = (answers["parallelism.dp_replicate_size"] * answers["parallelism.cp_size"] * (1 if sp == AUTO else sp)
               * answers["parallelism.tp_size"])
     shards = world // others if world and world % others == 0 else AUTO
     ask.text("parallelism.dp_shard_size", f"world {world} / (dp_replicate * cp * sp * tp) = {shards}", default=shards,
@@ -233,7 +240,7 @@ def _ask_all(ask: _Asker) -> None:
             if answers["fsdp.activation_checkpointing"]:
                 ask.confirm("memory.offload_activations", default=False)
             ask.confirm("memory.cpu_offload", default=False)
-    placed = set(answers) | {"launch.node_rank", "launch.rdzv_endpoint", "parallelism.cp_comm_strategy",
+    placed = set(answers) | {"model", "launch.node_rank", "launch.rdzv_endpoint", "parallelism.cp_comm_strategy",
                              "parallelism.cp_load_balance", "memory.checkpoint_level", "memory.selective_blocks",
                              "parallelism.cp_engine",
                              *MEMORY_OPTIONS}
@@ -245,14 +252,17 @@ def _ask_all(ask: _Asker) -> None:
 # ----------------------------------------------------------------------------- output
 
 
-def profile_yaml(answers: Answers, *, output: Path) -> str:
-    """The profile file: a header comment, then the answered keys in schema order."""
+def profile_yaml(answers: Answers, *, output: Path, split: str | None = None) -> str:
+    """The profile file: a header comment (with `split`: what sp_size auto chose as written),
+    then the answered keys in schema order."""
     tree = config.to_tree({"version": config.PROFILE_VERSION, **answers})
     nnodes = answers.get("launch.nnodes", 1)
     header = (
         "# cpctl profile written by `cpctl config`; check it with `cpctl check --config FILE`.\n"
         f"# Launch{_on_every_machine(nnodes)}: {launch_command(output)}\n"
     )
+    if split:
+        header += f"# {split} (decided again at each launch)\n"
     return header + config.to_yaml(tree)
 
 
@@ -390,13 +400,17 @@ def run_config(
         console.print("Input ended; nothing written.")
         return EXIT_ABORTED
 
-    text = profile_yaml(answers, output=output)
-    resolved = _validated(text, answers=answers, machine=machine, given=flags if not interactive else {})
+    resolved = _validated(profile_yaml(answers, output=output), answers=answers, machine=machine,
+                          given=flags if not interactive else {})
+    split = views.auto_split(resolved)
+    text = profile_yaml(answers, output=output, split=split)
     if output.exists() and not existed:  # created while the questions were open: not ours to replace
         raise CpctlError(f"{output} appeared while the wizard was open; nothing written: run cpctl config again "
                          "to decide about it, or pass another --output")
     _write(output, text)
     console.print(summary_table(answers, ask.origins, resolved, output=output))
+    if split:
+        console.print(Text(split))
     nnodes = resolved.profile.launch.nnodes
     where = (f", on each of the {nnodes} machines (the same command on every one; they meet at "
              f"{resolved.profile.launch.rdzv_endpoint})") if nnodes > 1 else ""

@@ -1,11 +1,22 @@
-"""Which way to split a sequence over GPUs: the ring (cp), Ulysses (sp) or both, and why.
+"""Which way to split a sequence over its ranks: the ring (cp), Ulysses (sp) or both, and why.
+
+The one place that decides it: `parallelism.sp_size: auto` at launch (config/rules.py calls
+`choose_layout` with the profile's model and machines) and `cpctl plan`'s suggestion.
 
 Ulysses trades a sequence shard for a head shard with one all-to-all each way per attention
-call; its volume per GPU does not grow with the sequence's share of other GPUs, but it needs
-heads to split and a fast all-to-all, so it stays inside a node (NVLink). The ring moves K/V
-between neighbours and hides it behind compute only while each rank has enough tokens (the
-measured scaling on 2 H200: 67% at 32k, 91% at 128k, 98% at 256k). So: Ulysses as wide as the
-node and the heads allow, the ring across nodes.
+call, then runs attention over the whole sequence for 1/sp of the heads: one kernel call, no
+blocks to merge. Its local part is up to 1.7x faster than a ring rank's and within 1% of it
+from 32k tokens per rank on (H200, bf16, 32/8 heads of 128, one rank's share of an 8-way split
+emulated on one GPU: 2.8 ms against the ring's 4.7 at 16k tokens, 7.3 against 10.0 at 32k, 114
+against 119 at 128k; docs/benchmarks.md), but its all-to-all is not hidden behind compute, so
+it wants NVLink: it stays inside a node. The ring
+moves K/V between neighbours and hides that behind compute while each rank has enough tokens,
+so it takes what crosses nodes. Hence: Ulysses as wide as the node and the heads allow (sp
+must divide the q heads of a tp rank), the ring over the rest.
+
+The sequence length does not move the choice: both the all-to-all and the ring's K/V grow with
+it alike, and the sequence must divide into 2 x cp x sp chunks whatever the split. What it
+decides is whether a step fits (`cpctl plan`'s tables).
 """
 
 from __future__ import annotations
@@ -25,16 +36,32 @@ class Layout:
     reason: str
 
 
-def choose_layout(model: ModelShape, *, gpus: int, tp: int = 1, gpus_per_node: int = GPUS_PER_NODE) -> Layout:
-    """The sp x cp split of `gpus` sequence ranks for `model`, with the reason in one sentence."""
-    heads, kv_heads = model.n_heads // tp, max(1, model.n_kv_heads // tp)
-    node = max(1, min(gpus_per_node, gpus))
-    sp = max(d for d in range(1, node + 1) if gpus % d == 0 and heads % d == 0 and node % d == 0)
-    cp = gpus // sp
+def choose_layout(model: ModelShape, *, seq_ranks: int, ranks_per_node: int = GPUS_PER_NODE,
+                  tp: int = 1) -> Layout:
+    """The sp x cp split of the `seq_ranks` ranks that hold one sequence, for `model`, on machines
+    of `ranks_per_node` ranks, with the reason in one sentence.
+
+    Ranks are numbered as the mesh numbers them (tp fastest, then sp, then cp), so an sp group of
+    a tp x sp block of consecutive ranks is inside one node when that block divides the node.
+    """
+    heads, kv_heads = max(1, model.n_heads // tp), max(1, model.n_kv_heads // tp)
+    per_tp = " of its tp rank" if tp > 1 else ""
+    if seq_ranks == 1:
+        return Layout(1, 1, "one rank per sequence (cp_size 1): nothing to split")
+    slots = ranks_per_node // tp if ranks_per_node % tp == 0 else 1  # sp positions inside one node
+    fits = [d for d in range(1, min(slots, seq_ranks) + 1) if seq_ranks % d == 0 and slots % d == 0]
+    sp = max(d for d in fits if heads % d == 0)
+    cp = seq_ranks // sp
     if sp == 1:
-        why = (f"ring only: no sp > 1 divides both {heads} heads and {node} GPUs per node" if gpus > 1
-               else "one GPU: nothing to split")
-        return Layout(1, cp, why)
-    replicated = f"; {kv_heads} K/V heads are repeated {math.lcm(kv_heads, sp) // kv_heads}x" if kv_heads < sp else ""
-    ring = f"the ring over cp {cp} across nodes" if cp > 1 else "no ring"
-    return Layout(sp, cp, f"Ulysses sp {sp} inside the node ({heads // sp} of {heads} heads per GPU{replicated}), {ring}")
+        return Layout(1, cp, f"the ring alone: no sp > 1 divides the {heads} attention heads{per_tp}, the {seq_ranks} "
+                             f"ranks per sequence and the {slots} ranks per node that Ulysses can use")
+    copies = math.lcm(kv_heads, sp) // kv_heads
+    replicated = (f"; its {kv_heads} K/V head{'s are' if kv_heads > 1 else ' is'} repeated {copies}x" if copies > 1
+                  else "")
+    ulysses = f"Ulysses sp {sp} within a node (each rank attends with {heads // sp} of the {heads} heads{per_tp}{replicated})"
+    if cp == 1:
+        return Layout(sp, 1, f"{ulysses}, no ring")
+    wider = [d for d in fits if d > sp]  # allowed by the ranks and the node, so refused by the heads
+    why_not_wider = f" (sp {wider[0]} would not divide the {heads} heads{per_tp})" if wider else ""
+    where = "across nodes" if seq_ranks * tp > ranks_per_node else "within the node"
+    return Layout(sp, cp, f"{ulysses}, the ring over cp {cp} {where}{why_not_wider}")

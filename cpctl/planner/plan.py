@@ -69,12 +69,12 @@ def make_plan(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: 
     longest = [(gpus, longest_fitting(model, setup.with_cp(gpus), **memory),
                 longest_fitting(model, better.with_cp(gpus), **memory) if free else None)
                for gpus in GPU_COUNTS]
-    layouts = [(gpus, choose_layout(model, gpus=gpus)) for gpus in GPU_COUNTS]
+    layouts = [(gpus, choose_layout(model, seq_ranks=gpus)) for gpus in GPU_COUNTS]
     longest_sp = [(gpus, lay, longest_fitting(model, setup.with_sp(gpus, lay.sp), gpu_memory_gib=gpu_memory_gib))
                   for gpus, lay in layouts if lay.sp > 1]
     return Plan(
         model=model, estimate=base, longest_sp=longest_sp,
-        layout=choose_layout(model, gpus=setup.seq_ranks, tp=setup.tp),
+        layout=choose_layout(model, seq_ranks=setup.seq_ranks, ranks_per_node=setup.gpus_per_node, tp=setup.tp),
         suggestions=[] if base.fits else suggestions(base, available=available),
         longest=longest, needed=gpus_needed(model, setup, seq_len, **memory),
         needed_all=gpus_needed(model, better, seq_len, **memory) if free else None,

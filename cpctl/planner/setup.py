@@ -17,7 +17,7 @@ class Setup:
     """What a plan is for: the layout and the memory options of a resolved profile."""
 
     gpus: int = 1
-    gpus_per_node: int = 1  # workers on one machine: they share its host memory
+    gpus_per_node: int = 8  # GPUs of one machine: they share its host memory, and Ulysses' all-to-all stays on its NVLink
     cp: int = 1
     sp: int = 1  # Ulysses: heads split inside attention, the cp rank's tokens split outside it
     dp_shard: int = 1
@@ -117,6 +117,8 @@ class Resolved:
     setup: Setup
     target: str  # the machine the profile was resolved for, in words
     note: str | None  # what --gpus changed
+    model: str | None = None  # the profile's model (--model)
+    split: str | None = None  # why sp x cp is what it is, when sp_size auto chose it
 
 
 def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None, profile_name: str | None = None,
@@ -126,6 +128,7 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
     GPU plan works on a laptop); `device: auto` is taken as cuda. `--gpus N` makes the world N
     GPUs, all of them CP unless --cp-size is given (dp_replicate and tp as the profile says)."""
     from cpctl.config import AUTO, merge_layers, preview
+    from cpctl.config.rules import STATIC_GPUS_PER_NODE
 
     values, _, _ = merge_layers(flags=flags, config=config, profile_name=profile_name, environ=environ, cwd=cwd)
     device = values.get("launch.device", AUTO)
@@ -137,17 +140,26 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
         nnodes = values.get("launch.nnodes", 1)
         if gpus % nnodes:
             raise CpctlError(f"--gpus {gpus} is not a multiple of nnodes {nnodes}")
+        machines = ""
+        if "launch.nnodes" not in values and gpus > STATIC_GPUS_PER_NODE and gpus % STATIC_GPUS_PER_NODE == 0:
+            nnodes = gpus // STATIC_GPUS_PER_NODE  # nodes of 8, as GPUs come; Ulysses stays inside one
+            extra["launch.nnodes"] = str(nnodes)
+            extra.setdefault("launch.rdzv_endpoint", values.get("launch.rdzv_endpoint") or "node0:29500")
+            machines = f" on {nnodes} nodes of {STATIC_GPUS_PER_NODE} (--nnodes for others)"
         extra["launch.nproc_per_node"] = str(gpus // nnodes)
         if "parallelism.cp_size" not in flags:
+            sp = values.get("parallelism.sp_size", 1)  # auto: sp is taken out of cp_size's ranks
             others = (values.get("parallelism.tp_size", 1) * values.get("parallelism.dp_replicate_size", 1)
-                      * values.get("parallelism.sp_size", 1))
+                      * (1 if sp == AUTO else sp))
             if gpus % others:
                 raise CpctlError(f"--gpus {gpus} is not a multiple of tp x dp_replicate x sp = {others}")
             extra["parallelism.cp_size"] = str(gpus // others)
-            note = f"--gpus {gpus}: cp {gpus // others}"
+            note = f"--gpus {gpus}{machines}: {'sequence ranks' if sp == AUTO else 'cp'} {gpus // others}"
         if "parallelism.dp_shard_size" not in flags:
             extra["parallelism.dp_shard_size"] = AUTO
     shown = preview(flags={**flags, **extra}, config=config, profile_name=profile_name, environ=environ, cwd=cwd)
     setup = dataclasses.replace(Setup.from_profile(shown.resolved.profile, chunked_loss=chunked_loss, batch=batch),
                                 logits_kept=logits_kept)
-    return Resolved(setup, shown.target, note)
+    split = shown.resolved.sources.get("parallelism.sp_size", "")
+    return Resolved(setup, shown.target, note, model=shown.resolved.profile.model,
+                    split=split[len("auto ("):-1] if split.startswith("auto (") else None)
