@@ -151,6 +151,8 @@ def main():
         with open(output, "w") as f:
             for record in records:
                 f.write(json.dumps(record) + "\n")
+    # every rank done before any tears gloo down: a rank leaving first aborts its peers' pending pair threads
+    dist.barrier()
     dist.destroy_process_group()
 
 

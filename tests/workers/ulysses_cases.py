@@ -123,6 +123,8 @@ def main():
             records.append(dict(world=world, cp=cp, sp=sp, seq=seq, **case, errors=errors, saved_bytes=saved_bytes))
     if dist.get_rank() == 0:
         Path(output).write_text("".join(json.dumps(record) + "\n" for record in records))
+    # every rank done before any tears gloo down: a rank leaving first aborts its peers' pending pair threads
+    dist.barrier()
     dist.destroy_process_group()
 
 

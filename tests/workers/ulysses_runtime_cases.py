@@ -96,9 +96,8 @@ def refusal(action) -> str | None:
 
 
 def short_sequence(rt):
-    ids = torch.zeros(1, SEQ - 2, dtype=torch.long)
-    with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1]):
-        pass
+    # maybe_context_parallel pads such a length at the end; the functional shard refuses it
+    rt.shard(torch.zeros(1, SEQ - 1, dtype=torch.long), seq_dim=1)
 
 
 def main() -> None:
