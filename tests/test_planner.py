@@ -77,6 +77,8 @@ MEASURED_FIT = [
     ("llama-3.2-1b", 64 * K, 1, MODEL_LOSS, True),
     ("llama-3.2-3b", 64 * K, 1, MODEL_LOSS, False),
     ("1b", 768 * K, 1, ALL_OPTIONS, True),
+    ("1b", 1024 * K, 1, ALL_OPTIONS, True),
+    ("llama-3.2-3b", 512 * K, 1, dataclasses.replace(ALL_OPTIONS, logits_kept=False), True),
     ("llama-3.2-1b", 512 * K, 1, ALL_OPTIONS, True),
 ]
 
@@ -106,6 +108,40 @@ def test_calibration_table() -> None:
                     f"{100 * (predicted - measured) / measured:+.1f}% |")
         assert abs(predicted - measured) <= 0.10 * measured
     print("\n".join(rows))
+
+
+def recorded_runs():
+    """Every run scripts/bench_train.py recorded with its options (docs/benchmarks/*.jsonl)."""
+    runs = []
+    for path in sorted((REPO / "docs" / "benchmarks").glob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("peak_gib") and all(option in record for option in RECORDED_OPTIONS):
+                runs.append(pytest.param(record, id=f"{path.stem}-{planner.format_tokens(record['seq'])}"))
+    return runs
+
+
+RECORDED_OPTIONS = ("activation_checkpointing", "checkpoint_level", "selective_blocks", "chunked_loss",
+                    "tiled_mlp_tokens", "offload_activations", "cpu_offload", "logits_kept", "first_step")
+
+
+@pytest.mark.parametrize("record", recorded_runs())
+def test_recorded_runs_peak_as_planned(record) -> None:
+    """Each recorded run's measured peak against today's planner, with the options it ran with
+    (options a record predates are off, as they were)."""
+    fields = {f.name for f in dataclasses.fields(Setup)}
+    options = {name: value for name, value in record.items() if name in fields}
+    setup = dataclasses.replace(Setup(gpus=record["world"], cp=record["cp"], strategy=record["strategy"],
+                                      sp=record.get("sp", 1)), **options)
+    predicted = planner.peak_gib(PRESETS[record["model"].removeprefix("hf:")], setup, record["seq"])
+    assert abs(predicted - record["peak_gib"]) <= 0.10 * record["peak_gib"], (predicted, record)
+    if "host_gib" in record:
+        host = planner.estimate(PRESETS[record["model"].removeprefix("hf:")], setup, record["seq"]).host_bytes
+        assert abs(host / planner.GiB - record["host_gib"]) <= 0.10 * record["host_gib"], (host, record)
+
+
+def test_some_runs_are_recorded_with_their_options() -> None:
+    assert len(recorded_runs()) >= 3
 
 
 @pytest.mark.parametrize(("model", "seq", "gpus", "setup", "trained"), MEASURED_FIT)
