@@ -25,7 +25,7 @@ from rich.table import Table
 
 from cpctl import __version__
 from cpctl.config.schema import KEYS, Key
-from cpctl.errors import CpctlError
+from cpctl.errors import CpctlError, LaunchError
 from cpctl.launch import views
 from cpctl.launch.failures import machine_host_memory_gib
 
@@ -169,7 +169,7 @@ def user_errors() -> Iterator[None]:
         yield
     except CpctlError as exc:
         _stderr().print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
-        raise typer.Exit(getattr(exc, "exit_code", 2)) from None
+        raise typer.Exit(exc.exit_code if isinstance(exc, LaunchError) else 2) from None
 
 
 def _suggest_flag(text: str) -> str:
