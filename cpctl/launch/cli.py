@@ -106,7 +106,8 @@ def profile_flags(command: Callable[..., Any]) -> Callable[..., Any]:
         return command(**kwargs, flags={path: text for path, text in given.items() if text is not None})
 
     parameters = [*own, *added]
-    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    # what typer reads, through inspect.signature (a function declares no __signature__ attribute)
+    setattr(wrapper, "__signature__", signature.replace(parameters=parameters))
     wrapper.__annotations__ = {param.name: param.annotation for param in parameters}
     del wrapper.__wrapped__  # typer must see the new signature, not the wrapped one
     return wrapper
@@ -145,7 +146,8 @@ def accelerate_launch_flags(command: Callable[..., Any]) -> Callable[..., Any]:
         return command(**kwargs, accelerate=given)
 
     parameters = [*own, *(_accelerate_parameter(alias) for alias in registered)]
-    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    # what typer reads, through inspect.signature (a function declares no __signature__ attribute)
+    setattr(wrapper, "__signature__", signature.replace(parameters=parameters))
     wrapper.__annotations__ = {param.name: param.annotation for param in parameters}
     del wrapper.__wrapped__
     return wrapper
