@@ -48,7 +48,7 @@ ACCELERATE_SHIM = "cpctl.integrations.accelerate_shim"  # each worker's entry po
 
 
 @dataclass(frozen=True)
-class Plan:
+class LaunchPlan:
     """Everything one `cpctl launch` will do, computed before anything is spawned."""
 
     resolved: Resolved
@@ -107,7 +107,7 @@ def prepare(
     module: bool = False,
     cwd: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
-) -> Plan:
+) -> LaunchPlan:
     """Check what the profile cannot (the script or module, the torch install) and plan the launch."""
     cwd = Path.cwd() if cwd is None else Path(cwd)
     environ = os.environ if environ is None else environ
@@ -117,7 +117,7 @@ def prepare(
         _check_script(target, cwd=cwd)
     versions.require_torch()
     profile = resolved.profile
-    return Plan(
+    return LaunchPlan(
         resolved=resolved,
         target=target,
         target_args=tuple(target_args),
@@ -127,7 +127,7 @@ def prepare(
     )
 
 
-def launch(plan: Plan) -> None:
+def launch(plan: LaunchPlan) -> None:
     """Run the workers through torchrun's elastic agent; return when all succeeded.
 
     Raises LaunchError with the exit code to use: the root-cause rank's own code when a worker
