@@ -75,9 +75,11 @@ def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], 
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:
         argv.append("--standalone")  # a private c10d store on a free local port
     else:
-        # No --node-rank: c10d numbers the machines itself when they join (sorted by host name);
-        # torchrun honours --node-rank only for its static backend and warns that it ignores it.
-        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}"]
+        # torchrun honours --node-rank only for its static backend; c10d numbers the machines itself
+        # when they join (sorted by host name). What node_rank decides is which machine hosts the
+        # rendezvous store, c10d's is_host: node_rank 0, so no other one guesses from its host name.
+        hosts = "true" if launch.node_rank == 0 else "false"
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}", f"--rdzv-conf=is_host={hosts}"]
     argv.append(f"--tee={TEE_ALL}")  # tee'd output is what torchrun prefixes with the rank
     # `--` ends torchrun's options: its parser would otherwise read the script's own options
     # (`--log` as an abbreviation of its --log-dir, `--nnodes` as its own).

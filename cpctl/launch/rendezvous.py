@@ -72,7 +72,8 @@ class RendezvousWatch:
             if time.monotonic() < report_at or self._stop.is_set():
                 continue
             count = f"{self.nnodes} nodes expected" if joined is None else f"{joined} of {self.nnodes} nodes joined"
-            hint = "" if reported else "; run the same `cpctl launch` (same --nnodes, --rdzv-endpoint) on every node"
+            hint = "" if reported else ("; run `cpctl launch` on every node with the same --nnodes and --rdzv-endpoint, "
+                                        "each with its own --node-rank")
             self._say(f"still waiting at {self.endpoint}: {count} after {elapsed} s "
                       f"(gives up after {self.timeout_s} s{hint})")
             reported = True
@@ -115,7 +116,8 @@ def failed(exc: BaseException, *, watch: RendezvousWatch | None) -> LaunchError:
     seen = "" if watch is None or watch.joined is None else f" ({watch.joined} of {watch.nnodes} nodes joined)"
     return LaunchError(
         f"rendezvous failed: {first_line(str(exc)) or type(exc).__name__}{seen}; check that every node runs "
-        "`cpctl launch` with the same --nnodes and --rdzv-endpoint and can reach that host:port",
+        "`cpctl launch` with the same --nnodes and --rdzv-endpoint and can reach that host:port, where the node "
+        "with --node-rank 0 hosts the rendezvous",
         exit_code=1,
     )
 
