@@ -1,7 +1,7 @@
 """The one exception type cpctl raises for anything the user can fix.
 
 Library code raises it with a message that names the fix; only the CLI catches it,
-prints the message on one line and exits with code 2.
+prints the message on one line and exits with code 2, or with a LaunchError's own code.
 """
 
 
@@ -9,7 +9,15 @@ class CpctlError(Exception):
     """A user-facing error: bad profile, bad flag, bad input to the runtime."""
 
 
-# How a failed worker reports its error to `cpctl launch` (written by cpctl.runtime.process, read by
-# cpctl.launch.launcher; both import these names from here, which imports no torch):
-ERROR_DIR_ENV_VAR = "CPCTL_ERROR_DIR"  # set by the launcher: a fresh directory per launch, for tracebacks
-REPORT_KEY = "cpctl"  # cpctl's part of a worker's torchelastic error file (TORCHELASTIC_ERROR_FILE)
+class LaunchError(CpctlError):
+    """The workers ran and failed, or the launch was interrupted: carries the exit code to use."""
+
+    def __init__(self, message: str, *, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def first_line(text: str) -> str:
+    """The first non-blank line of a message, at most 300 characters: what a one-line error quotes."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0][:300] if lines else ""

@@ -45,7 +45,7 @@ def test_a_seed_command_line_with_the_launchers_name_changed(script: Path) -> No
     assert rows["fsdp.version"] == ["2", "flag --fsdp-version"] and rows["fsdp.mixed_precision"] == ["no", "flag --mixed-precision"]
     assert "--use-fsdp: what cpctl always does" in out
     assert ("torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=0 --rdzv-backend=c10d "
-            "--rdzv-endpoint=10.0.0.1:29400 --tee=3 -- train.py --lr 1") in out
+            "--rdzv-endpoint=10.0.0.1:29400 --rdzv-conf=is_host=false --tee=3 -- train.py --lr 1") in out
 
 
 def test_accelerates_sequence_parallelism_is_cpctls_ulysses(script: Path) -> None:

@@ -315,12 +315,15 @@ def test_dry_run_says_which_blocks_the_mixed_level_makes_selective(script: Path)
     assert "Checkpointing: selective for the last 3 blocks, full for the rest." in pinned.stdout
 
 
-def test_dry_run_multi_node(script: Path) -> None:
-    result = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--node-rank", "1",
+@pytest.mark.parametrize(("node_rank", "hosts"), [("1", "false"), ("0", "true")])
+def test_dry_run_multi_node(script: Path, node_rank: str, hosts: str) -> None:
+    # torchrun ignores --node-rank under c10d; node_rank 0 hosts the rendezvous store (c10d's is_host)
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--node-rank", node_rank,
                    "--rdzv-endpoint", "10.0.0.1:29400", "--nproc-per-node", "2", "--cp-size", "4", "train.py")
     assert result.exit_code == 0, result.output
-    assert "torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=0 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 --tee=3 -- train.py" in result.stdout
-    assert "--standalone" not in result.stdout
+    assert ("torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=0 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 "
+            f"--rdzv-conf=is_host={hosts} --tee=3 -- train.py") in result.stdout
+    assert "--standalone" not in result.stdout and "--node-rank" not in result.stdout.split("torchrun")[-1]
 
 
 def test_dry_run_under_slurm(script: Path) -> None:
@@ -451,6 +454,14 @@ def test_launch_multi_node_uses_c10d(script: Path, torchrun: TorchrunSpy) -> Non
     [(args, _)] = torchrun.calls
     assert (args.nnodes, args.standalone, args.rdzv_backend, args.rdzv_endpoint) == ("2", False, "c10d", "head:29400")
     assert (args.max_restarts, args.module, args.training_script) == (2, True, "train")
+    # node_rank 1 never hosts the rendezvous store, whatever its host name: what c10d's store reads
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.run import config_from_args
+
+    config = config_from_args(args)[0]
+    params = RendezvousParameters(config.rdzv_backend, config.rdzv_endpoint, config.run_id, config.min_nodes,
+                                  config.max_nodes, **config.rdzv_configs)
+    assert params.get_as_bool("is_host") is False
 
 
 def _child_failed(*failures: tuple[int, int]) -> BaseException:

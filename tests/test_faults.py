@@ -1,6 +1,7 @@
 """Faults through real launches (CPU, gloo): a killed worker is restarted and the run resumes
 with an uninterrupted run's losses; a hung rank ends the job within the comm timeout, named;
-workers die with a SIGKILLed launcher."""
+workers die with a SIGKILLed launcher. And the failure report a worker writes, as the launcher
+reads it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 from launching import REPO, cpctl, finish, launch_env
 
+from cpctl.failure_report import ERROR_DIR_ENV_VAR, FailureReport
 from cpctl.launch import failures
 
 SCRIPT = REPO / "scripts" / "train_llama.py"
@@ -158,3 +160,59 @@ def test_how_a_sigkill_is_named(oom, offload, expected, absent) -> None:
     for fragment in absent:
         assert fragment not in text, text
     assert failures.describe_kill("SIGTERM", oom=True, resident=None, host=None, offload=[]) == "SIGTERM (signal 15)"
+
+
+def test_a_failure_report_round_trips_and_nothing_else_reads_as_one() -> None:
+    first = FailureReport(rank=3, host="node1", summary="ValueError: batch 3 has no labels",
+                          traceback_file="/tmp/cpctl-x/rank3-traceback.txt", time=1700000000.25, peer_lost=False)
+    second = FailureReport(rank=0, host="node0", summary="RuntimeError: Connection closed by peer",
+                           traceback_file="/tmp/cpctl-x/rank0-traceback.txt", time=1700000001.5, peer_lost=True,
+                           after=first)
+    for report in (first, second):
+        assert FailureReport.from_json(report.to_json()) == report
+        error_file = json.loads(report.error_file_json(traceback_text="Traceback ..."))
+        assert FailureReport.from_error_file_data(error_file) == report
+        assert error_file["message"]["message"] == report.summary  # what torchelastic's own reader takes
+    assert (first.first, first.secondary, second.first, second.secondary) == (first, False, first, True)
+    data = json.loads(first.to_json())
+    for broken in ({key: value for key, value in data.items() if key != "host"}, data | {"rank": "3"},
+                   data | {"peer_lost": 0}, data | {"unknown": 1}, data | {"after": {"rank": 1}}, [data], None):
+        assert FailureReport.from_dict(broken) is None, broken
+    assert FailureReport.from_json("{not json") is None
+    assert FailureReport.from_error_file_data({"message": "<NONE>"}) is None  # torchelastic's "no error file"
+
+
+# Two ranks fail the way a worker does under cpctl launch (cpctl.runtime.process.report_failure):
+# rank 0 first, having lost its peer; rank 1 after it, with its own error.
+WRITE_REPORTS = """
+import os, sys, time
+from cpctl.runtime import process
+
+for rank, error in (("0", RuntimeError("Connection closed by peer")), ("1", ValueError("batch 3 has no labels"))):
+    os.environ |= {"RANK": rank, "TORCHELASTIC_ERROR_FILE": os.path.join(sys.argv[1], f"error{rank}.json")}
+    try:
+        raise error
+    except Exception as exc:
+        process.report_failure(exc, exc.__traceback__)
+    time.sleep(0.05)
+"""
+
+
+def test_the_launcher_names_the_root_cause_from_the_reports_workers_wrote(tmp_path: Path) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_dir = tmp_path / "errors"
+    done = subprocess.run([sys.executable, "-c", WRITE_REPORTS, str(tmp_path)], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, check=False,
+                          env=launch_env(tmp_path) | {ERROR_DIR_ENV_VAR: str(error_dir)})
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    # what torchelastic's agent makes of each error file when the workers exit with code 1
+    found = {rank: ProcessFailure(local_rank=rank, pid=4000 + rank, exitcode=1, error_file=str(tmp_path / f"error{rank}.json"))
+             for rank in (0, 1)}
+    error = failures.worker_failure(found)
+    traceback_file = error_dir / "rank1-traceback.txt"
+    assert str(error) == (f"rank 1: ValueError: batch 3 has no labels\n  traceback: {traceback_file}\n"
+                          "  worker rank 1 (local rank 1, pid 4001) exited with code 1 (and 1 more rank after it)")
+    assert error.exit_code == 1
+    assert traceback_file.read_text().rstrip().endswith("ValueError: batch 3 has no labels")
+    assert (error_dir / "rank0-traceback.txt").read_text().rstrip().endswith("RuntimeError: Connection closed by peer")

@@ -148,9 +148,9 @@ def test_several_machines_ask_node_rank_and_endpoint(tmp_path):
             + ENTER + typed("2") + ENTER * (QUESTIONS - 4))  # 2 processes per machine, cp 2, the rest defaults
     code, shown = drive(keys, output=out)
     assert code == 0
-    assert (f"Launch with, on each of the 2 machines (the same command on every one; they meet at node0:29500): "
-            f"cpctl launch --config {out} your_script.py") in " ".join(shown.split())
-    assert f"# Launch (the same command on each of the 2 machines): cpctl launch --config {out}" in out.read_text()
+    where = "on each of the 2 machines, R its node rank (0 on the one at node0:29500: it hosts the rendezvous)"
+    assert (f"Launch {where}: cpctl launch --config {out} --node-rank R your_script.py") in " ".join(shown.split())
+    assert f"# Launch {where}: cpctl launch --config {out} --node-rank R your_script.py" in out.read_text()
     got = resolved(out)
     assert (got.launch.nnodes, got.launch.node_rank, got.launch.rdzv_endpoint) == (2, 1, "node0:29500")
     assert (got.parallelism.cp_size, got.parallelism.dp_shard_size, got.world_size) == (2, 2, 4)

@@ -207,7 +207,7 @@ def flag_layer(flags: Mapping[str, Any]) -> Layer:
 def env_layer(environ: Mapping[str, str]) -> Layer:
     """The CPCTL_<KEY> environment variables."""
     by_var = {k.env_var: k.path for k in BY_NAME.values()}
-    from cpctl.errors import ERROR_DIR_ENV_VAR
+    from cpctl.failure_report import ERROR_DIR_ENV_VAR
 
     internal = {PROFILE_ENV_VAR, ERROR_DIR_ENV_VAR}  # what cpctl launch hands its workers
     unknown = [name for name in environ if name.startswith("CPCTL_") and name not in by_var and name not in internal]

@@ -224,7 +224,7 @@ class Launch:
     nnodes: int = key(integer(minimum=1), 1, "machines", prompt="Machines (nnodes)")
     nproc_per_node: int = key(integer(minimum=1, auto=True), AUTO, "worker processes per machine",
                               prompt="Processes per machine (nproc_per_node)")
-    node_rank: int = key(integer(minimum=0), 0, "this machine's index among nnodes",
+    node_rank: int = key(integer(minimum=0), 0, "this machine's index among nnodes; 0 hosts the rendezvous",
                          prompt="This machine's node_rank (0 on the machine that hosts the rendezvous)")
     rdzv_endpoint: str | None = key(ENDPOINT, None, "rendezvous address for several machines",
                                     prompt="Rendezvous endpoint, host:port of the node_rank-0 machine")

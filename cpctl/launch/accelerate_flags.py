@@ -37,9 +37,9 @@ class Alias:
 
     @property
     def help(self) -> str:
-        if self.meaning:
+        if self.meaning or self.path is None:  # an alias that sets nothing says in `meaning` what it asks for
             return self.meaning
-        key = KEYS[self.path]  # type: ignore[index]
+        key = KEYS[self.path]
         return f"sets {key.path} to {self.switch}" if self.switch else f"sets {key.path}, as {key.flag} does"
 
     @property

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from cpctl import __version__
 from cpctl.config.schema import KEYS, Key
-from cpctl.errors import CpctlError
+from cpctl.errors import CpctlError, LaunchError
 from cpctl.launch import views
 from cpctl.launch.failures import machine_host_memory_gib
 
@@ -106,7 +106,8 @@ def profile_flags(command: Callable[..., Any]) -> Callable[..., Any]:
         return command(**kwargs, flags={path: text for path, text in given.items() if text is not None})
 
     parameters = [*own, *added]
-    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    # what typer reads, through inspect.signature (a function declares no __signature__ attribute)
+    setattr(wrapper, "__signature__", signature.replace(parameters=parameters))
     wrapper.__annotations__ = {param.name: param.annotation for param in parameters}
     del wrapper.__wrapped__  # typer must see the new signature, not the wrapped one
     return wrapper
@@ -145,7 +146,8 @@ def accelerate_launch_flags(command: Callable[..., Any]) -> Callable[..., Any]:
         return command(**kwargs, accelerate=given)
 
     parameters = [*own, *(_accelerate_parameter(alias) for alias in registered)]
-    wrapper.__signature__ = signature.replace(parameters=parameters)  # type: ignore[attr-defined]
+    # what typer reads, through inspect.signature (a function declares no __signature__ attribute)
+    setattr(wrapper, "__signature__", signature.replace(parameters=parameters))
     wrapper.__annotations__ = {param.name: param.annotation for param in parameters}
     del wrapper.__wrapped__
     return wrapper
@@ -169,7 +171,7 @@ def user_errors() -> Iterator[None]:
         yield
     except CpctlError as exc:
         _stderr().print(f"[bold red]error:[/] {escape(str(exc))}", soft_wrap=True)
-        raise typer.Exit(getattr(exc, "exit_code", 2)) from None
+        raise typer.Exit(exc.exit_code if isinstance(exc, LaunchError) else 2) from None
 
 
 def _suggest_flag(text: str) -> str:

@@ -1,4 +1,10 @@
-"""Naming how a worker died when it could not say so itself: the kernel's out-of-memory killer.
+"""A failed launch, told as one error: which worker caused it, what it said, how it ended.
+
+The root cause comes first: a worker's own error before one that only lost its peers, and
+those before the workers the agent stopped. Its report (cpctl.failure_report, written by the
+worker through cpctl.runtime.process) gives its rank, message and traceback file; cpctl exits
+with that worker's own code. torchelastic's own lines about failed workers are dropped while
+the workers run: the error says it once.
 
 A worker killed by SIGKILL leaves no report. When host memory runs out, the kernel's
 out-of-memory killer is the usual sender, and long-sequence training has its own ways to fill
@@ -13,12 +19,17 @@ and `cpctl plan --host-memory` to size it. Torch-free; Linux files only, silentl
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
+import socket
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
+
+from cpctl.errors import LaunchError, first_line
+from cpctl.failure_report import FailureReport
 
 GiB = 2**30
 
@@ -165,3 +176,113 @@ def describe_kill(signal_name: str, *, oom: bool | None, resident: int | None, h
         return (f"{shown}, not by this machine's out-of-memory killer (it counted no kill since the launch; "
                 f"{held}): by another process or a scheduler")
     return f"{shown} ({held}{machine}; if host memory ran out, the kernel's out-of-memory killer does this: see dmesg)"
+
+
+# ----------------------------------------------------------------------------- a worker failed
+
+
+class WorkerFailure(Protocol):
+    """What cpctl reads of torchelastic's ProcessFailure (one per failed worker of ChildFailedError)."""
+
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def exitcode(self) -> int: ...  # negative: killed by that signal
+    @property
+    def timestamp(self) -> int: ...  # whole seconds
+    @property
+    def error_file_data(self) -> object: ...  # the worker's error file, parsed (torchelastic's format)
+    @property
+    def message(self) -> object: ...  # its message: a str, or the error file's message dict
+    def signal_name(self) -> str: ...
+
+
+def worker_failure(failures: Mapping[int, WorkerFailure], *, killed_by: Callable[..., str] | None = None) -> LaunchError:
+    """The root cause, once: its rank and message (from the worker's report), where its traceback
+    is, and the exit line. cpctl exits with that worker's own code. A worker killed by a signal is
+    named by `killed_by` (MemoryWatch.killed_by: the OOM killer, or not)."""
+    rank, failure = root_cause(failures)
+    report = FailureReport.from_error_file_data(failure.error_file_data)
+    code = failure.exitcode
+    if code == -signal.SIGTERM and report is not None:
+        # it raised, so was exiting with code 1, when the agent saw a peer gone and stopped it
+        how, exit_code = "exited with code 1", 1
+    elif code < 0:
+        name = failure.signal_name()
+        how, exit_code = f"was killed by {killed_by(name, pid=failure.pid) if killed_by else name}", 128 - code
+    else:
+        how, exit_code = f"exited with code {code}", code or 1
+    first = None if report is None else report.first  # the rank that failed first, maybe elsewhere
+    if report is not None and report.after is not None:
+        how = f"stopped after rank {report.after.rank} failed and {how}"
+    exit_line = f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
+    others = len(failures) - 1
+    if others:
+        exit_line += f" (and {others} more rank{'s' if others > 1 else ''} after it)"
+    if first is None:  # no report: it exited, was killed, or failed before cpctl.init()
+        message = _torchelastic_message(failure)
+        if message:
+            exit_line += f": {message}"
+        return LaunchError(exit_line + "; its output is above", exit_code=exit_code)
+    where = f" on {first.host}" if first.host != socket.gethostname() else ""
+    return LaunchError(f"rank {first.rank}: {first.summary}\n"
+                       f"  traceback: {first.traceback_file}{where}\n"
+                       f"  {exit_line}", exit_code=exit_code)
+
+
+def _torchelastic_message(failure: WorkerFailure) -> str:
+    """The first line of the message a script's torchelastic `@record` wrote; "" when it wrote none."""
+    data, message = failure.error_file_data, failure.message
+    recorded = isinstance(data, dict) and data.get("message") != "<NONE>"  # torchelastic's "no error file"
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return first_line(str(message)) if recorded else ""
+
+
+def root_cause(failures: Mapping[int, WorkerFailure]) -> tuple[int, WorkerFailure]:
+    """The failure that caused the others, not just the one with the smallest whole-second
+    timestamp (torchelastic's pick): a worker's own error before one that only lost its peers
+    (or was told by another rank that it failed first), and those before the workers the agent
+    stopped with SIGTERM; then the earliest."""
+
+    def order(item: tuple[int, WorkerFailure]) -> tuple[int, float]:
+        _, failure = item
+        report = FailureReport.from_error_file_data(failure.error_file_data)
+        if report is not None:
+            return (2 if report.secondary else 0, report.time)
+        stopped = failure.exitcode == -signal.SIGTERM
+        return (3 if stopped else 1, float(failure.timestamp))
+
+    return min(failures.items(), key=order)
+
+
+class _QuietWorkerFailures(logging.Filter):
+    """Drops torchelastic's own lines about failed workers: cpctl reports the root cause itself."""
+
+    LINES = {  # logger: what its dropped lines contain
+        "torch.distributed.elastic.multiprocessing.api": ("failed (exitcode", "closing signal"),
+        # on a node whose peer, the one hosting the rendezvous store, went away first
+        "torch.distributed.elastic.rendezvous.dynamic_rendezvous": ("has failed to shutdown the rendezvous",),
+    }
+
+    def __init__(self, fragments: tuple[str, ...]) -> None:
+        super().__init__()
+        self.fragments = fragments
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(fragment in str(record.msg) for fragment in self.fragments)
+
+
+@contextlib.contextmanager
+def quiet_worker_failures() -> Iterator[None]:
+    """torchelastic's loggers without their lines about failed workers, for the `with` block."""
+    filters = {logging.getLogger(name): _QuietWorkerFailures(lines) for name, lines in _QuietWorkerFailures.LINES.items()}
+    for logger, quiet in filters.items():
+        logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        for logger, quiet in filters.items():
+            logger.removeFilter(quiet)

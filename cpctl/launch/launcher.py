@@ -9,6 +9,10 @@ torchrun itself. Building a `LaunchConfig` by hand is avoided on purpose: its de
 The resolved profile reaches the workers as JSON in `CPCTL_RESOLVED_PROFILE` (workers inherit
 the launcher's environment); torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ... as usual.
 
+What the user sees while it runs has modules of its own: a failed worker told as one error
+(launch/failures.py), this node's wait for the others (launch/rendezvous.py), each worker's lines
+prefixed with its rank once (launch/worker_output.py).
+
 Only `launch()` imports torch; `prepare()` (and so `cpctl launch --dry-run`) does not.
 """
 
@@ -20,45 +24,31 @@ import functools
 import importlib.machinery
 import importlib.util
 import json
-import logging
 import os
-import re
 import shlex
 import shutil
 import signal
-import socket
 import sys
 import tempfile
-import threading
-import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from cpctl.config import PROFILE_ENV_VAR, Profile, Resolved
-from cpctl.errors import ERROR_DIR_ENV_VAR, REPORT_KEY, CpctlError
+from cpctl.errors import CpctlError, LaunchError
+from cpctl.failure_report import ERROR_DIR_ENV_VAR, TRACEBACK_GLOB
 from cpctl import versions
-from cpctl.launch import loopback
+from cpctl.launch import failures, loopback, rendezvous
 from cpctl.launch.failures import MemoryWatch
 from cpctl.launch.accelerate_env import accelerate_env
+from cpctl.launch.rendezvous import RendezvousWatch
+from cpctl.launch.worker_output import LOG_PREFIX, LOG_PREFIX_ENV_VAR, TEE_ALL, single_rank_prefix
 
-# torchrun reads the per-line prefix template of tee'd worker output from this variable.
-LOG_PREFIX_ENV_VAR = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
-LOG_PREFIX = "[rank${rank}]: "
-TEE_ALL = "3"  # stdout and stderr of every local rank, to console (prefixed) and to log files
 ACCELERATE_SHIM = "cpctl.integrations.accelerate_shim"  # each worker's entry point for an accelerate script
 
 
-class LaunchError(CpctlError):
-    """The workers ran and failed, or the launch was interrupted: carries the exit code to use."""
-
-    def __init__(self, message: str, *, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
-
-
 @dataclass(frozen=True)
-class Plan:
+class LaunchPlan:
     """Everything one `cpctl launch` will do, computed before anything is spawned."""
 
     resolved: Resolved
@@ -85,9 +75,11 @@ def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], 
     if launch.nnodes == 1 and launch.rdzv_endpoint is None:
         argv.append("--standalone")  # a private c10d store on a free local port
     else:
-        # No --node-rank: c10d numbers the machines itself when they join (sorted by host name);
-        # torchrun honours --node-rank only for its static backend and warns that it ignores it.
-        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}"]
+        # torchrun honours --node-rank only for its static backend; c10d numbers the machines itself
+        # when they join (sorted by host name). What node_rank decides is which machine hosts the
+        # rendezvous store, c10d's is_host: node_rank 0, so no other one guesses from its host name.
+        hosts = "true" if launch.node_rank == 0 else "false"
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}", f"--rdzv-conf=is_host={hosts}"]
     argv.append(f"--tee={TEE_ALL}")  # tee'd output is what torchrun prefixes with the rank
     # `--` ends torchrun's options: its parser would otherwise read the script's own options
     # (`--log` as an abbreviation of its --log-dir, `--nnodes` as its own).
@@ -117,7 +109,7 @@ def prepare(
     module: bool = False,
     cwd: str | Path | None = None,
     environ: Mapping[str, str] | None = None,
-) -> Plan:
+) -> LaunchPlan:
     """Check what the profile cannot (the script or module, the torch install) and plan the launch."""
     cwd = Path.cwd() if cwd is None else Path(cwd)
     environ = os.environ if environ is None else environ
@@ -127,7 +119,7 @@ def prepare(
         _check_script(target, cwd=cwd)
     versions.require_torch()
     profile = resolved.profile
-    return Plan(
+    return LaunchPlan(
         resolved=resolved,
         target=target,
         target_args=tuple(target_args),
@@ -137,7 +129,7 @@ def prepare(
     )
 
 
-def launch(plan: Plan) -> None:
+def launch(plan: LaunchPlan) -> None:
     """Run the workers through torchrun's elastic agent; return when all succeeded.
 
     Raises LaunchError with the exit code to use: the root-cause rank's own code when a worker
@@ -150,7 +142,7 @@ def launch(plan: Plan) -> None:
 
         check_cuda_devices(profile.launch.nproc_per_node, device_count=torch.cuda.device_count(), environ=os.environ)
     # One directory per launch: each worker writes its traceback here when it fails (see
-    # cpctl.runtime.process), and torchrun its logs (else it leaves a torchelastic_* directory in /tmp
+    # cpctl.failure_report), and torchrun its logs (else it leaves a torchelastic_* directory in /tmp
     # every time). Removed after a launch that went well; kept, and named, after a failure.
     error_dir = Path(tempfile.mkdtemp(prefix="cpctl-"))
     logs = error_dir / "torchrun"
@@ -165,7 +157,7 @@ def launch(plan: Plan) -> None:
         # Whatever ended the launch, only the workers' traceback files stay (the error names
         # them); torchrun's logs repeat what the console showed.
         shutil.rmtree(logs, ignore_errors=True)
-        if not any(error_dir.glob("*traceback*.txt")):
+        if not any(error_dir.glob(TRACEBACK_GLOB)):
             shutil.rmtree(error_dir, ignore_errors=True)
 
 
@@ -195,259 +187,25 @@ def _run_torchrun(argv: list[str], *, nnodes: int = 1, killed_by: Callable[..., 
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     args = torchrun.get_args_parser().parse_args(loopback.rendezvous_argv(argv))
-    watch = _RendezvousWatch(args, nnodes=nnodes) if nnodes > 1 else contextlib.nullcontext()
+    watch = None
+    if nnodes > 1:
+        watch = RendezvousWatch(endpoint=args.rdzv_endpoint, run_id=args.rdzv_id, rdzv_conf=args.rdzv_conf or "",
+                                nnodes=nnodes)
     try:
-        with _quiet_worker_failures(), _single_rank_prefix(), watch:
+        with failures.quiet_worker_failures(), single_rank_prefix(), watch or contextlib.nullcontext():
             torchrun.run(args)
     except ChildFailedError as exc:
-        raise _worker_failure(exc, killed_by=killed_by) from None
+        raise failures.worker_failure(exc.failures, killed_by=killed_by) from None
     except SignalException as exc:
         # the agent has already stopped the workers when this reaches us
         raise LaunchError(f"interrupted by {exc.sigval.name}; workers stopped", exit_code=128 + int(exc.sigval)) from None
     except KeyboardInterrupt:
-        if isinstance(watch, _RendezvousWatch) and watch.joined is not None and not watch.complete:
-            raise LaunchError(f"interrupted while waiting at the rendezvous ({watch.joined} of {nnodes} nodes joined); "
-                              "no worker was started", exit_code=128 + signal.SIGINT) from None
+        waiting = None if watch is None else watch.interrupted()
+        if waiting is not None:
+            raise waiting from None
         raise
     except RendezvousError as exc:
-        joined = getattr(watch, "joined", None)
-        seen = f" ({joined} of {nnodes} nodes joined)" if joined is not None else ""
-        raise LaunchError(
-            f"rendezvous failed: {_first_line(str(exc)) or type(exc).__name__}{seen}; check that every node runs "
-            "`cpctl launch` with the same --nnodes and --rdzv-endpoint and can reach that host:port",
-            exit_code=1,
-        ) from None
-
-
-# ----------------------------------------------------------------------------- a worker failed
-
-
-def _worker_failure(exc: object, *, killed_by: Callable[..., str] | None = None) -> LaunchError:
-    """The root cause, once: its rank and message (from the worker's report, see cpctl.runtime.process),
-    where its traceback is, and the exit line. cpctl exits with that worker's own code. A worker
-    killed by a signal is named by `killed_by` (launch/failures.py: the OOM killer, or not)."""
-    failures = exc.failures  # type: ignore[attr-defined]
-    rank, failure = _root_cause(failures)
-    report = _report(failure)
-    code = failure.exitcode
-    if code == -signal.SIGTERM and report is not None:
-        # it raised, so was exiting with code 1, when the agent saw a peer gone and stopped it
-        how, exit_code = "exited with code 1", 1
-    elif code < 0:
-        name = failure.signal_name()
-        how, exit_code = f"was killed by {killed_by(name, pid=failure.pid) if killed_by else name}", 128 - code
-    else:
-        how, exit_code = f"exited with code {code}", code or 1
-    first = None if report is None else report.get("after") or report  # the rank that failed first, maybe elsewhere
-    if first is not None and first is not report:
-        how = f"stopped after rank {first['rank']} failed and {how}"
-    exit_line = f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
-    others = len(failures) - 1
-    if others:
-        exit_line += f" (and {others} more rank{'s' if others > 1 else ''} after it)"
-    if first is None:  # no report: it exited, was killed, or failed before cpctl.init()
-        recorded = failure.error_file_data.get("message") != "<NONE>"  # the script used torchelastic's @record
-        message = failure.message.get("message", "") if isinstance(failure.message, dict) else failure.message
-        if recorded and _first_line(message):
-            exit_line += f": {_first_line(message)}"
-        return LaunchError(exit_line + "; its output is above", exit_code=exit_code)
-    where = f" on {first['host']}" if first.get("host") not in (None, socket.gethostname()) else ""
-    return LaunchError(f"rank {first['rank']}: {first['summary']}\n"
-                       f"  traceback: {first['traceback_file']}{where}\n"
-                       f"  {exit_line}", exit_code=exit_code)
-
-
-def _report(failure: object) -> dict | None:
-    data = getattr(failure, "error_file_data", None)
-    report = data.get(REPORT_KEY) if isinstance(data, dict) else None
-    return report if isinstance(report, dict) and {"rank", "summary", "traceback_file"} <= report.keys() else None
-
-
-def _root_cause(failures: Mapping[int, object]) -> tuple[int, object]:
-    """The failure that caused the others, not just the one with the smallest whole-second
-    timestamp (torchelastic's pick): a worker's own error before one that only lost its peers
-    (or was told by another rank that it failed first), and those before the workers the agent
-    stopped with SIGTERM; then the earliest."""
-
-    def order(item: tuple[int, object]) -> tuple[int, float]:
-        _, failure = item
-        report = _report(failure)
-        if report is not None:
-            secondary = bool(report.get("after") or report.get("peer_lost"))
-            return (2 if secondary else 0, float(report.get("time", failure.timestamp)))  # type: ignore[attr-defined]
-        stopped = failure.exitcode == -signal.SIGTERM  # type: ignore[attr-defined]
-        return (3 if stopped else 1, float(failure.timestamp))  # type: ignore[attr-defined]
-
-    return min(failures.items(), key=order)
-
-
-class _SinglePrefix:
-    """A console stream that writes a doubled rank prefix once. In a worker that started
-    torch.distributed itself (not through cpctl.init: accelerate, a plain torch script), torch's
-    excepthook prefixes each traceback line with "[rankN]: ", and torchrun's tee prefixes every
-    line it copies to this console with the same."""
-
-    DOUBLED = re.compile(r"^(\[rank\d+\]: )\1+", re.MULTILINE)
-
-    def __init__(self, stream: object) -> None:
-        self._stream = stream
-
-    def write(self, text: str) -> int:
-        return self._stream.write(self.DOUBLED.sub(r"\1", text))  # type: ignore[attr-defined]
-
-    def __getattr__(self, name: str) -> object:
-        return getattr(self._stream, name)
-
-
-@contextlib.contextmanager
-def _single_rank_prefix() -> Iterator[None]:
-    """sys.stdout and sys.stderr, where torchrun's tee writes the workers' lines, as _SinglePrefix."""
-    saved = sys.stdout, sys.stderr
-    sys.stdout, sys.stderr = _SinglePrefix(sys.stdout), _SinglePrefix(sys.stderr)  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        sys.stdout, sys.stderr = saved
-
-
-class _QuietWorkerFailures(logging.Filter):
-    """Drops torchelastic's own lines about failed workers: cpctl reports the root cause itself."""
-
-    LINES = {  # logger: what its dropped lines contain
-        "torch.distributed.elastic.multiprocessing.api": ("failed (exitcode", "closing signal"),
-        # on a node whose peer, the one hosting the rendezvous store, went away first
-        "torch.distributed.elastic.rendezvous.dynamic_rendezvous": ("has failed to shutdown the rendezvous",),
-    }
-
-    def __init__(self, fragments: tuple[str, ...]) -> None:
-        super().__init__()
-        self.fragments = fragments
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(fragment in str(record.msg) for fragment in self.fragments)
-
-
-@contextlib.contextmanager
-def _quiet_worker_failures() -> Iterator[None]:
-    filters = {logging.getLogger(name): _QuietWorkerFailures(lines) for name, lines in _QuietWorkerFailures.LINES.items()}
-    for logger, quiet in filters.items():
-        logger.addFilter(quiet)
-    try:
-        yield
-    finally:
-        for logger, quiet in filters.items():
-            logger.removeFilter(quiet)
-
-
-# ----------------------------------------------------------------------------- waiting for nodes
-
-
-_NO_RENDEZVOUS_STATE = b"Y2FuaW1hZGFt"  # C10dRendezvousBackend's value before any node joined
-
-
-class _RendezvousWatch:
-    """Lines on stderr while this node waits at the rendezvous for the other nodes: one when it
-    starts, then after FIRST_REPORT_S and every REPORT_EVERY_S seconds until all joined.
-
-    The nodes that joined are read from the c10d rendezvous state in the endpoint's store (a
-    client of its own, from a background thread); when that state cannot be read the lines
-    say what is expected, without a count.
-    """
-
-    FIRST_REPORT_S = 5.0
-    REPORT_EVERY_S = 30.0
-    POLL_S = 1.0
-
-    def __init__(self, args: object, *, nnodes: int) -> None:
-        self.endpoint = str(args.rdzv_endpoint)  # type: ignore[attr-defined]
-        self.nnodes = nnodes
-        self.key = f"torch.rendezvous.{args.rdzv_id}"  # type: ignore[attr-defined]  # C10dRendezvousBackend's
-        self.timeout_s = _join_timeout(str(args.rdzv_conf or ""))  # type: ignore[attr-defined]
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="cpctl-rendezvous-watch", daemon=True)
-        self._store: object | None = None
-        self.joined: int | None = None  # nodes in the rendezvous when last read
-        self.complete = False  # whether all had joined then
-
-    def __enter__(self) -> _RendezvousWatch:
-        self._say(f"rendezvous at {self.endpoint}: waiting for {self.nnodes} nodes "
-                  f"(this one included; gives up after {self.timeout_s} s)")
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self._store = None  # its connection to the endpoint
-
-    def _say(self, text: str) -> None:
-        print(f"cpctl: {text}", file=sys.stderr, flush=True)
-
-    def _run(self) -> None:
-        started = time.monotonic()
-        report_at = started + self.FIRST_REPORT_S
-        reported = False
-        while not self._stop.wait(self.POLL_S):
-            joined, complete = self.state()
-            if joined is not None:
-                self.joined, self.complete = joined, complete
-            elapsed = round(time.monotonic() - started)
-            if complete:
-                if reported:
-                    self._say(f"all {self.nnodes} nodes joined after {elapsed} s")
-                return
-            if time.monotonic() < report_at or self._stop.is_set():
-                continue
-            count = f"{self.nnodes} nodes expected" if joined is None else f"{joined} of {self.nnodes} nodes joined"
-            hint = "" if reported else "; run the same `cpctl launch` (same --nnodes, --rdzv-endpoint) on every node"
-            self._say(f"still waiting at {self.endpoint}: {count} after {elapsed} s "
-                      f"(gives up after {self.timeout_s} s{hint})")
-            reported = True
-            report_at += self.REPORT_EVERY_S
-
-    def state(self) -> tuple[int | None, bool]:
-        """(nodes joined, rendezvous complete) from the endpoint's store; (None, False) if unknown."""
-        try:
-            import base64
-            import pickle
-            from datetime import timedelta
-
-            from torch.distributed import TCPStore
-
-            if self._store is None:
-                host, _, port = self.endpoint.rpartition(":")
-                self._store = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2),
-                                       wait_for_workers=False)
-            store = self._store
-            if not store.check([self.key]):  # type: ignore[attr-defined]
-                return 0, False
-            value = store.get(self.key)  # type: ignore[attr-defined]
-            if value == _NO_RENDEZVOUS_STATE:
-                return 0, False
-            state = pickle.loads(base64.b64decode(value))  # what C10dRendezvousBackend.get_state decodes
-            return len(state.participants), bool(state.complete)
-        except Exception:  # not reachable yet, or a state this version does not know how to read
-            return None, False
-
-
-def _join_timeout(rdzv_conf: str) -> int:
-    """Seconds a node waits for the others: --rdzv-conf join_timeout, else torch's default."""
-    settings = dict(item.split("=", 1) for item in rdzv_conf.split(",") if "=" in item)
-    if settings.get("join_timeout", "").strip().isdigit():
-        return int(settings["join_timeout"])
-    try:
-        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
-            RendezvousTimeout,
-        )
-
-        return round(RendezvousTimeout().join.total_seconds())
-    except Exception:
-        return 600
-
-
-def _first_line(text: str) -> str:
-    lines = [line.strip() for line in str(text).splitlines() if line.strip()]
-    return lines[0][:300] if lines else ""
+        raise rendezvous.failed(exc, watch=watch) from None
 
 
 @contextlib.contextmanager

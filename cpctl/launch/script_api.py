@@ -64,9 +64,9 @@ class ScriptUse:
         if cpctl is not None and accelerate is not None:
             raise CpctlError(f"{self.target}: {cpctl.shown(cwd=self.cwd)} and {accelerate.shown(cwd=self.cwd)}; "
                              f"cannot tell which of the two starts the processes: {PASS_THE_FLAG}")
-        if cpctl is not None or accelerate is not None:
-            found = cpctl or accelerate
-            return found.api, found.shown(cwd=self.cwd)  # type: ignore[union-attr]
+        found = cpctl or accelerate
+        if found is not None:
+            return found.api, found.shown(cwd=self.cwd)
         looked = self.problem or f"read {_files(len(self.files))}"
         if cp_size == 1:
             return CPCTL, f"{self.target}: neither cpctl.init() nor an Accelerator or Trainer found ({looked}); no CP to set up"

@@ -6,6 +6,7 @@ cpctl.planner.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
@@ -17,7 +18,7 @@ from cpctl.config.schema import FIT
 from cpctl.launch.accelerate_env import accelerate_env
 
 if TYPE_CHECKING:
-    from cpctl.launch.launcher import Plan
+    from cpctl.launch.launcher import LaunchPlan
 
 MESH_HEAD_ROWS, MESH_TAIL_ROWS = 16, 4  # larger worlds print the first and last ranks only
 PLAN_WIDE_COLUMNS = 120  # narrower terminals get `cpctl plan`'s "counted as" below its table
@@ -197,7 +198,7 @@ SCRIPT_APIS = {
 }
 
 
-def print_launch_plan(plan: Plan, *, target: str, problem_here: str | None, notes: list[str] = ()) -> None:
+def print_launch_plan(plan: LaunchPlan, *, target: str, problem_here: str | None, notes: Sequence[str] = ()) -> None:
     from cpctl.launch.envinfo import describe
     from cpctl.layout import MESH_AXES, mesh_table
 

@@ -259,20 +259,25 @@ def profile_yaml(answers: Answers, *, output: Path, split: str | None = None) ->
     nnodes = answers.get("launch.nnodes", 1)
     header = (
         "# cpctl profile written by `cpctl config`; check it with `cpctl check --config FILE`.\n"
-        f"# Launch{_on_every_machine(nnodes)}: {launch_command(output)}\n"
+        f"# Launch{_on_every_machine(nnodes, endpoint=answers.get('launch.rdzv_endpoint'))}: "
+        f"{launch_command(output, nnodes=nnodes)}\n"
     )
     if split:
         header += f"# {split} (decided again at each launch)\n"
     return header + config.to_yaml(tree)
 
 
-def launch_command(output: Path) -> str:
-    return f"cpctl launch --config {shlex.quote(str(output))} your_script.py"
+def launch_command(output: Path, *, nnodes: int = 1) -> str:
+    node_rank = " --node-rank R" if nnodes > 1 else ""  # each machine its own: see _on_every_machine
+    return f"cpctl launch --config {shlex.quote(str(output))}{node_rank} your_script.py"
 
 
-def _on_every_machine(nnodes: int) -> str:
-    """Several machines each run the same command; the rendezvous numbers them as they join."""
-    return f" (the same command on each of the {nnodes} machines)" if nnodes > 1 else ""
+def _on_every_machine(nnodes: int, *, endpoint: str | None) -> str:
+    """Several machines each run the command with their own node rank: node rank 0 hosts the
+    rendezvous (the rendezvous numbers the machines itself as they join)."""
+    if nnodes == 1:
+        return ""
+    return f" on each of the {nnodes} machines, R its node rank (0 on the one at {endpoint}: it hosts the rendezvous)"
 
 
 def _validated(text: str, *, answers: Answers, machine: Machine, given: Mapping[str, str]) -> config.Resolved:
@@ -412,8 +417,7 @@ def run_config(
     if split:
         console.print(Text(split))
     nnodes = resolved.profile.launch.nnodes
-    where = (f", on each of the {nnodes} machines (the same command on every one; they meet at "
-             f"{resolved.profile.launch.rdzv_endpoint})") if nnodes > 1 else ""
-    console.print(Text(f"Wrote {output}. Launch with{where}:"))
-    console.print(Text("  " + launch_command(output), style="bold"))
+    where = _on_every_machine(nnodes, endpoint=resolved.profile.launch.rdzv_endpoint)
+    console.print(Text(f"Wrote {output}. Launch{where or ' with'}:"))
+    console.print(Text("  " + launch_command(output, nnodes=nnodes), style="bold"))
     return EXIT_WRITTEN

@@ -50,7 +50,7 @@ from cpctl.planner.fit import (
     peak_gib,
 )
 from cpctl.planner.plan import GPU_COUNTS, Plan, all_free_options, make_plan
-from cpctl.planner.setup import MEMORY_OPTIONS, Resolved, Setup, available_options, resolve_setup
+from cpctl.planner.setup import MEMORY_OPTIONS, ResolvedSetup, Setup, available_options, resolve_setup
 from cpctl.planner.shapes import PRESETS, ModelShape, load_model, model_from_hf_config
 from cpctl.planner.terms import BLOCK_MOMENTS, FP32, MOMENTS, TERMS, Sizes, Term, host_memory
 from cpctl.planner.units import GiB, format_tokens, parse_number, parse_tokens
@@ -58,7 +58,7 @@ from cpctl.planner.units import GiB, format_tokens, parse_number, parse_tokens
 __all__ = [
     "ALLOCATOR_HEADROOM", "BLOCK_MOMENTS", "CUDA_OVERHEAD_GIB", "DEFAULT_GPU_MEMORY_GIB", "FP32", "GPU_COUNTS", "GiB",
     "MAX_GPUS", "MAX_TOKENS", "MEMORY_OPTIONS", "MOMENTS", "PRESETS", "TERMS", "WORKER_HOST_GIB", "Estimate", "ModelShape", "Plan",
-    "Resolved", "Setup", "Sizes", "Suggestion", "Term", "all_free_options", "available_options", "estimate",
+    "ResolvedSetup", "Setup", "Sizes", "Suggestion", "Term", "all_free_options", "available_options", "estimate",
     "format_tokens", "gpus_needed", "host_memory", "load_model", "longest_fitting", "make_plan", "model_from_hf_config",
     "option_names", "parse_number", "parse_tokens", "peak_gib", "resolve_setup", "suggestions",
 ]

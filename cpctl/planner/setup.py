@@ -113,7 +113,9 @@ def available_options() -> frozenset[str]:
 
 
 @dataclass(frozen=True)
-class Resolved:
+class ResolvedSetup:
+    """A Setup as `cpctl plan` resolved it from a profile, with what it says about the resolution."""
+
     setup: Setup
     target: str  # the machine the profile was resolved for, in words
     note: str | None  # what --gpus changed
@@ -123,7 +125,7 @@ class Resolved:
 
 def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None, profile_name: str | None = None,
                   gpus: int | None = None, chunked_loss: bool = False, logits_kept: bool = True, batch: int = 1,
-                  environ: Mapping[str, str] | None = None, cwd: str | Path | None = None) -> Resolved:
+                  environ: Mapping[str, str] | None = None, cwd: str | Path | None = None) -> ResolvedSetup:
     """The profile `cpctl check --static` would validate (a cuda profile as on its own node, so a
     GPU plan works on a laptop); `device: auto` is taken as cuda. `--gpus N` makes the world N
     GPUs, all of them CP unless --cp-size is given (dp_replicate and tp as the profile says)."""
@@ -161,5 +163,5 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
     setup = dataclasses.replace(Setup.from_profile(shown.resolved.profile, chunked_loss=chunked_loss, batch=batch),
                                 logits_kept=logits_kept)
     split = shown.resolved.sources.get("parallelism.sp_size", "")
-    return Resolved(setup, shown.target, note, model=shown.resolved.profile.model,
-                    split=split[len("auto ("):-1] if split.startswith("auto (") else None)
+    return ResolvedSetup(setup, shown.target, note, model=shown.resolved.profile.model,
+                         split=split[len("auto ("):-1] if split.startswith("auto (") else None)

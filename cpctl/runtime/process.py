@@ -2,8 +2,8 @@
 
 It also decides what an uncaught exception in a worker looks like. Under `cpctl launch`
 (ERROR_DIR_ENV_VAR set by the launcher) the worker prints nothing: it writes the full traceback
-to ERROR_DIR/rank{R}-traceback.txt and a one-line summary to torchelastic's error file
-(TORCHELASTIC_ERROR_FILE, the file `@record` writes), from which the launcher prints the root
+to ERROR_DIR/rank{R}-traceback.txt and its report (cpctl.failure_report: a one-line summary) to
+torchelastic's error file (TORCHELASTIC_ERROR_FILE, the file `@record` writes), from which the launcher prints the root
 cause once; a worker prints one line itself only when torchrun is about to restart the workers.
 The first rank to fail claims a key in the c10d store, so a peer that fails after it (typically
 with gloo's "Connection closed by peer") knows its own failure is secondary. Elsewhere (plain
@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime
 import gc
-import json
 import os
 import socket
 import sys
@@ -29,7 +29,8 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-from cpctl.errors import ERROR_DIR_ENV_VAR, REPORT_KEY, CpctlError
+from cpctl.errors import CpctlError
+from cpctl.failure_report import ERROR_DIR_ENV_VAR, FailureReport, traceback_path
 
 _PREFIX_TEMPLATE_ENV_VAR = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 _FIRST_FAILURE_KEY = "cpctl/first_failure"  # in the default c10d store: which rank failed first
@@ -141,33 +142,19 @@ def report_failure(exc: BaseException, tb: TracebackType | None) -> None:
     restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     restarts_left = restarts - attempt
-    attempt_tag = f"-attempt{attempt}" if restarts else ""  # each attempt keeps its own
-    path = Path(os.environ[ERROR_DIR_ENV_VAR]) / f"rank{rank}{attempt_tag}-traceback.txt"
+    path = traceback_path(Path(os.environ[ERROR_DIR_ENV_VAR]), rank=rank, attempt=attempt, restarts=restarts)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(traceback.format_exception(type(exc), exc, tb)))
-    report = {
-        "rank": rank,
-        "host": socket.gethostname(),
-        "summary": summary(exc) + _who_stopped_answering(exc),
-        "traceback_file": str(path),
-        "time": time.time(),
-        "peer_lost": _looks_like_a_lost_peer(exc),
-    }
-    first = _claim_first_failure(report)
-    report["after"] = first  # the rank that failed before this one, or None if this one was first
+    traceback_text = "".join(traceback.format_exception(type(exc), exc, tb))
+    path.write_text(traceback_text)
+    report = FailureReport(rank=rank, host=socket.gethostname(), summary=summary(exc) + _who_stopped_answering(exc),
+                           traceback_file=str(path), time=time.time(), peer_lost=_looks_like_a_lost_peer(exc))
+    report = dataclasses.replace(report, after=_claim_first_failure(report))
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not error_file:
         raise RuntimeError("no TORCHELASTIC_ERROR_FILE: the launcher would not see the report")
-    data = {
-        "message": {  # torchelastic's own format (ErrorHandler.record_exception)
-            "message": report["summary"],
-            "extraInfo": {"py_callstack": path.read_text(), "timestamp": str(int(report["time"]))},
-        },
-        REPORT_KEY: report,
-    }
-    Path(error_file).write_text(json.dumps(data))
-    if restarts_left > 0 and first is None:  # the launcher reports only the last attempt
-        print(f"failed: {report['summary']} (traceback: {path}); torchrun restarts the workers "
+    Path(error_file).write_text(report.error_file_json(traceback_text=traceback_text))
+    if restarts_left > 0 and report.after is None:  # the launcher reports only the last attempt
+        print(f"failed: {report.summary} (traceback: {path}); torchrun restarts the workers "
               f"({restarts_left} restart{'s' if restarts_left > 1 else ''} left)", file=sys.stderr, flush=True)
 
 
@@ -212,18 +199,17 @@ def _looks_like_a_lost_peer(exc: BaseException) -> bool:
     return any(fragment in text for fragment in _PEER_LOST)
 
 
-def _claim_first_failure(report: dict) -> dict | None:
+def _claim_first_failure(report: FailureReport) -> FailureReport | None:
     """Record this rank as the first to fail, unless another was: then return that one's report."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    mine = json.dumps({key: report[key] for key in ("rank", "host", "summary", "traceback_file")})
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set_timeout(_STORE_TIMEOUT)
-        first = json.loads(store.compare_set(_FIRST_FAILURE_KEY, "", mine))
+        first = FailureReport.from_json(store.compare_set(_FIRST_FAILURE_KEY, "", report.to_json()))
     except Exception:  # no store, a dead store: count this failure as a first one
         return None
-    return None if first.get("rank") == report["rank"] else first
+    return None if first is None or first.rank == report.rank else first
 
 
 def _shutdown(on_exit: Callable[[], None]) -> None:
