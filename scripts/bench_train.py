@@ -163,7 +163,8 @@ def run_length(rt, bench, optimizer, seq: int, *, warmup: int, steps: int) -> di
 
 # The settings a row was measured with, as the planner's Setup names them: what it needs to predict it.
 RECORDED_OPTIONS = ("activation_checkpointing", "checkpoint_level", "selective_blocks", "chunked_loss",
-                    "tiled_mlp_tokens", "offload_activations", "cpu_offload", "logits_kept", "first_step")
+                    "tiled_mlp_tokens", "tiled_norm_tokens", "offload_activations", "cpu_offload", "logits_kept",
+                    "first_step")
 
 
 def make_optimizer_state(model, optimizer) -> None:

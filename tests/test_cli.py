@@ -125,7 +125,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         "--activation-checkpointing", "--attention", "--device", "--nnodes", "--nproc-per-node",
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
         "--selective-blocks",
-        "--tiled-mlp-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine", "--model",
+        "--tiled-mlp-tokens", "--tiled-norm-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine", "--model",
     }
     # accelerate launch's flags for what cpctl has (its underscore spellings match as dashes)
     accelerate = {

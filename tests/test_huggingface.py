@@ -23,8 +23,8 @@ LAYOUTS = {
     # the same at the selective level: attention's outputs kept, not recomputed
     "cp2-selective-checkpointing": (("--nproc-per-node", "2", "--cp-size", "2", "--activation-checkpointing", "true",
                                      "--checkpoint-level", "selective"), 2, 1),
-    # the decoder layers' MLPs in tiles of 8 tokens (a shard holds 32)
-    "cp2-tiled-mlp": (("--nproc-per-node", "2", "--cp-size", "2", "--tiled-mlp-tokens", "8"), 2, 1),
+    # the decoder layers' MLPs in tiles of 8 tokens and their two norms in tiles of 12 (a shard holds 32)
+    "cp2-tiled": (("--nproc-per-node", "2", "--cp-size", "2", "--tiled-mlp-tokens", "8", "--tiled-norm-tokens", "12"), 2, 1),
     # tp: the model's own base_model_tp_plan ("colwise"/"rowwise") is the default plan
     "tp2": (("--nproc-per-node", "2", "--cp-size", "1", "--tp-size", "2"), 1, 2),
 }
@@ -43,7 +43,8 @@ def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, layout
     assert result["checkpointed"] == layout.endswith("checkpointing")
     # engine calls in the step, at every cp size: one per layer and pass (forward; a full checkpoint's recompute)
     assert result["attention_calls"] == (4 if layout == "cp2-checkpointing" else 2)
-    assert result["tiled_mlps"] == (2 if layout.endswith("tiled-mlp") else 0)  # both layers' MLPs, or none
+    assert result["tiled_mlps"] == (2 if layout.endswith("tiled") else 0)  # both layers' MLPs, or none
+    assert result["tiled_norms"] == (4 if layout.endswith("tiled") else 0)  # and their input and post-attention norms
     assert result["logits"] <= 1e-5
     assert result["grads"] <= 1e-5
     refusals = result["refusals"]

@@ -26,9 +26,9 @@ LAYOUTS = {
     "cp2-alltoall": ("--nproc-per-node", "2", "--cp-size", "2", "--cp-comm-strategy", "alltoall"),
     # activation checkpointing: the recompute in backward must attend across the CP group too
     "cp2-checkpointing": ("--nproc-per-node", "2", "--cp-size", "2", "--activation-checkpointing", "true"),
-    # the MLP in tiles of 16 tokens (a shard holds 64), inside checkpointed blocks
-    "cp2-tiled-mlp": ("--nproc-per-node", "2", "--cp-size", "2", "--activation-checkpointing", "true",
-                      "--tiled-mlp-tokens", "16"),
+    # the MLP in tiles of 16 tokens and the norms in tiles of 24 (a shard holds 64), inside checkpointed blocks
+    "cp2-tiled": ("--nproc-per-node", "2", "--cp-size", "2", "--activation-checkpointing", "true",
+                  "--tiled-mlp-tokens", "16", "--tiled-norm-tokens", "24"),
     # the selective level: attention's outputs kept, its recompute replayed (CP, and plain SDPA at cp 1)
     "cp2-selective": ("--nproc-per-node", "2", "--cp-size", "2", "--cp-comm-strategy", "alltoall",
                       "--activation-checkpointing", "true", "--checkpoint-level", "selective"),
@@ -45,7 +45,7 @@ LAYOUTS = {
     "hsdp2-cp2": ("--nproc-per-node", "4", "--cp-size", "2", "--dp-replicate-size", "2", "--dp-shard-size", "1"),
 }
 EXPECTED_SIZES = {"cp2": (2, 2, 1), "cp4": (4, 4, 1), "dp2-cp2": (4, 2, 2), "cp2-alltoall": (2, 2, 1),
-                  "cp2-checkpointing": (2, 2, 1), "cp2-tiled-mlp": (2, 2, 1), "cp2-chunked-loss": (2, 2, 1),
+                  "cp2-checkpointing": (2, 2, 1), "cp2-tiled": (2, 2, 1), "cp2-chunked-loss": (2, 2, 1),
                   "cp2-selective": (2, 2, 1), "dp2-selective": (2, 1, 2), "cp2-mixed": (2, 2, 1),
                   "cp2-mixed-fit": (2, 2, 1), "tp2-cp2": (4, 2, 1), "hsdp2-cp2": (4, 2, 2)}
 

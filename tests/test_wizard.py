@@ -86,7 +86,7 @@ def test_custom_answers_are_written(tmp_path):
             + DOWN + ENTER                      # alltoall
             + "n" + DOWN + ENTER + "y"          # no load balance, bf16, checkpointing
             + DOWN + ENTER                      # the selective level
-            + "y" + typed("2048") + typed("16"))  # memory options: loss chunks of 2048, MLP tiles of 16
+            + "y" + typed("2048") + typed("16") + typed("32"))  # memory options: loss chunks of 2048, MLP tiles of 16, norm tiles of 32
     code, _ = drive(keys, output=out)
     assert code == 0
     written = yaml.safe_load(out.read_text())
@@ -94,7 +94,8 @@ def test_custom_answers_are_written(tmp_path):
                                       "tp_size": 1,
                                       "cp_comm_strategy": "alltoall", "cp_load_balance": False}
     assert written["fsdp"] == {"mixed_precision": "bf16", "activation_checkpointing": True}
-    assert written["memory"] == {"checkpoint_level": "selective", "loss_chunk_tokens": 2048, "tiled_mlp_tokens": 16}
+    assert written["memory"] == {"checkpoint_level": "selective", "loss_chunk_tokens": 2048, "tiled_mlp_tokens": 16,
+                                 "tiled_norm_tokens": 32}
     assert written["launch"] == {"device": "auto", "nnodes": 1, "nproc_per_node": 4, "script_api": "auto"}
     got = resolved(out)
     assert got.world_size == 4 and got.parallelism.dp_shard_size == 2
@@ -104,12 +105,12 @@ def test_memory_options_on_a_gpu_machine(tmp_path):
     out = tmp_path / "p.yaml"
     keys = (ENTER * 9                                # script api auto, device auto, 1 machine, 8 GPUs, cp/sp/tp/dp defaults
             + ENTER + "y" + ENTER                    # precision, checkpointing, the full level
-            + "y" + ENTER + typed("8192") + "y" + ENTER)  # memory options: default chunks, tiles, offload, no cpu_offload
+            + "y" + ENTER + typed("8192") + typed("8192") + "y" + ENTER)  # memory: default chunks, MLP and norm tiles, offload, no cpu_offload
     code, shown = drive(keys, output=out, machine=GPU8)
     assert code == 0, shown
     written = yaml.safe_load(out.read_text())
     assert written["memory"] == {"checkpoint_level": "full", "loss_chunk_tokens": 4096, "tiled_mlp_tokens": 8192,
-                                 "offload_activations": True, "cpu_offload": False}
+                                 "tiled_norm_tokens": 8192, "offload_activations": True, "cpu_offload": False}
     assert resolved(out, machine=GPU8).memory.offload_activations
 
 

@@ -289,7 +289,7 @@ def _native_engine_is_accelerates(v: Mapping[str, Any], machine: Machine | None)
 
 
 # What cpctl does to an accelerate script's model on its own engine (off at their defaults).
-CPCTL_MODEL_OPTIONS = ("memory.tiled_mlp_tokens", "memory.offload_activations", "memory.checkpoint_level",
+CPCTL_MODEL_OPTIONS = ("memory.tiled_mlp_tokens", "memory.tiled_norm_tokens", "memory.offload_activations", "memory.checkpoint_level",
                        "memory.selective_blocks")
 
 

@@ -153,6 +153,9 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
         return "more than 4096 GPUs" if found is None else f"{found.setup.gpus} GPU{'s' if found.setup.gpus > 1 else ''}"
 
     line = f"{seq} tokens need {needs(result.needed)} with these options"
+    split = result.needed_sp
+    if split is not None and (result.needed is None or split.setup.gpus < result.needed.setup.gpus):
+        line = f"{seq} tokens need {needs(split)} with these options (sp {split.setup.sp} x cp {split.setup.cp})"
     if result.all_options:
         line += f", {needs(result.needed_all)} with + {better}"
     out.print(escape(line) + ".")

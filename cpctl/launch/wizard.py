@@ -169,8 +169,8 @@ class _Asker:
         return True
 
 
-MEMORY_OPTIONS = ("memory.loss_chunk_tokens", "memory.tiled_mlp_tokens", "memory.offload_activations",
-                  "memory.cpu_offload")  # asked behind one yes/no: most profiles need none of them
+MEMORY_OPTIONS = ("memory.loss_chunk_tokens", "memory.tiled_mlp_tokens", "memory.tiled_norm_tokens",
+                  "memory.offload_activations", "memory.cpu_offload")  # asked behind one yes/no: most profiles need none of them
 
 
 def _ask_all(ask: _Asker) -> None:
@@ -233,9 +233,10 @@ def _ask_all(ask: _Asker) -> None:
         ask.select("memory.checkpoint_level", default="full")
         if answers["memory.checkpoint_level"] == "mixed":
             ask.text("memory.selective_blocks", default=KEYS["memory.selective_blocks"].default)
-    if ask.gate("Long sequences: set the memory options (loss chunks, tiled MLP, offload)?", default=False):
+    if ask.gate("Long sequences: set the memory options (loss chunks, tiled MLP and norms, offload)?", default=False):
         ask.text("memory.loss_chunk_tokens", default=KEYS["memory.loss_chunk_tokens"].default)
         ask.text("memory.tiled_mlp_tokens", "0 = off", default=0)
+        ask.text("memory.tiled_norm_tokens", "0 = off", default=0)
         if _filled(answers, machine)[0]["launch.device"] == "cuda":  # both move GPU memory to the host
             if answers["fsdp.activation_checkpointing"]:
                 ask.confirm("memory.offload_activations", default=False)

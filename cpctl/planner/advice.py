@@ -42,6 +42,8 @@ def _options_to_try(setup: Setup, *, available: frozenset[str]) -> list[tuple[st
         options.append(("--checkpoint-level full (slower)", {"checkpoint_level": "full"}, True))
     if "tiled_mlp_tokens" in available and not setup.tiled_mlp_tokens:
         options.append(("--tiled-mlp-tokens 8192", {"tiled_mlp_tokens": 8192}, False))
+    if "tiled_norm_tokens" in available and not setup.tiled_norm_tokens:
+        options.append(("--tiled-norm-tokens 8192", {"tiled_norm_tokens": 8192}, False))
     if "offload_activations" in available and not setup.offload_activations:
         options.append(("--offload-activations true (slower)", {"offload_activations": True}, True))
     if "cpu_offload" in available and not setup.cpu_offload:
@@ -105,6 +107,7 @@ def suggestions(base: Estimate, *, available: frozenset[str] = frozenset()) -> l
 def option_names(changes: Mapping[str, Any]) -> list[str]:
     names = {"activation_checkpointing": "checkpointing", "chunked_loss": "chunked loss",
              "reshard_after_forward": "resharding", "strategy": "alltoall", "tiled_mlp_tokens": "tiled MLP",
+             "tiled_norm_tokens": "tiled norms",
              "offload_activations": "activation offload", "cpu_offload": "CPU offload",
              "checkpoint_level": "mixed checkpointing"}
     return [names.get(name, name) for name in changes if name != "selective_blocks"]

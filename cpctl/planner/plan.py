@@ -37,6 +37,7 @@ class Plan:
     all_options: dict[str, Any]  # the free memory options that are off: checkpointing, chunked loss, resharding
     longest_sp: list[tuple[int, Layout, int]] = dataclasses.field(default_factory=list)  # (GPUs, sp x cp, longest)
     layout: Layout | None = None  # the suggested split of this setup's sequence ranks
+    needed_sp: Estimate | None = None  # the fewest GPUs for the sequence split as sp x cp (Ulysses), these options
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -48,6 +49,8 @@ class Plan:
             "layout": None if self.layout is None else {"sp": self.layout.sp, "cp": self.layout.cp,
                                                         "reason": self.layout.reason},
             "gpus_needed": None if self.needed is None else self.needed.setup.gpus,
+            "gpus_needed_sp": None if self.needed_sp is None else {
+                "gpus": self.needed_sp.setup.gpus, "sp": self.needed_sp.setup.sp, "cp": self.needed_sp.setup.cp},
             "gpus_needed_all_options": None if self.needed_all is None else self.needed_all.setup.gpus,
             "all_options": self.all_options,
             "calibration": {"cuda_overhead_gib": CUDA_OVERHEAD_GIB, "allocator_headroom": ALLOCATOR_HEADROOM},
@@ -70,13 +73,15 @@ def make_plan(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: 
                 longest_fitting(model, better.with_cp(gpus), **memory) if free else None)
                for gpus in GPU_COUNTS]
     layouts = [(gpus, choose_layout(model, seq_ranks=gpus)) for gpus in GPU_COUNTS]
-    longest_sp = [(gpus, lay, longest_fitting(model, setup.with_sp(gpus, lay.sp), gpu_memory_gib=gpu_memory_gib))
-                  for gpus, lay in layouts if lay.sp > 1]
+    sp_layouts = [(gpus, lay) for gpus, lay in layouts if lay.sp > 1]
+    longest_sp = [(gpus, lay, longest_fitting(model, setup.with_sp(gpus, lay.sp), **memory)) for gpus, lay in sp_layouts]
+    fitting_sp = (estimate(model, setup.with_sp(gpus, lay.sp), seq_len, **memory) for gpus, lay in sp_layouts
+                  if seq_len * setup.batch >= gpus)
     return Plan(
         model=model, estimate=base, longest_sp=longest_sp,
         layout=choose_layout(model, seq_ranks=setup.seq_ranks, ranks_per_node=setup.gpus_per_node, tp=setup.tp),
         suggestions=[] if base.fits else suggestions(base, available=available),
         longest=longest, needed=gpus_needed(model, setup, seq_len, **memory),
         needed_all=gpus_needed(model, better, seq_len, **memory) if free else None,
-        all_options=free,
+        all_options=free, needed_sp=next((found for found in fitting_sp if found.fits), None),
     )

@@ -31,6 +31,7 @@ class Setup:
     chunked_loss: bool = False
     loss_chunk_tokens: int = 4096
     tiled_mlp_tokens: int = 0
+    tiled_norm_tokens: int = 0  # the blocks' norms in tiles: their fp32 copies and backward for one tile
     offload_activations: bool = False
     cpu_offload: bool = False
     batch: int = 1  # sequences per CP group in one step
@@ -50,6 +51,7 @@ class Setup:
             checkpoint_level=getattr(memory, "checkpoint_level", "full"),
             selective_blocks=_count_or_none(getattr(memory, "selective_blocks", None)),
             loss_chunk_tokens=memory.loss_chunk_tokens, tiled_mlp_tokens=getattr(memory, "tiled_mlp_tokens", 0),
+            tiled_norm_tokens=getattr(memory, "tiled_norm_tokens", 0),
             offload_activations=getattr(memory, "offload_activations", False),
             cpu_offload=getattr(memory, "cpu_offload", False), batch=batch,
         )
@@ -83,6 +85,8 @@ class Setup:
             options.append("blocks stay gathered after forward")
         if self.tiled_mlp_tokens:
             options.append(f"MLP in tiles of {self.tiled_mlp_tokens} tokens")
+        if self.tiled_norm_tokens:
+            options.append(f"norms in tiles of {self.tiled_norm_tokens} tokens")
         if self.offload_activations:
             options.append("activations offloaded")
         if self.cpu_offload:
@@ -102,7 +106,8 @@ def _count_or_none(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-MEMORY_OPTIONS = ("checkpoint_level", "selective_blocks", "tiled_mlp_tokens", "offload_activations", "cpu_offload")  # read where the profile has them
+MEMORY_OPTIONS = ("checkpoint_level", "selective_blocks", "tiled_mlp_tokens", "tiled_norm_tokens", "offload_activations",
+                  "cpu_offload")  # read where the profile has them
 
 
 def available_options() -> frozenset[str]:

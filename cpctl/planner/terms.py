@@ -120,11 +120,17 @@ def _norm_saved(z: Sizes) -> float:
     return FP32 * z.model.dim + 2 * z.act * z.model.dim
 
 
+def _block_norm_saved(z: Sizes) -> float:
+    """Per token, what a block's norm keeps: in tiles (tiled_norm_tokens) only its output, the
+    rest exists for one tile at a time."""
+    return z.act * z.model.dim if z.setup.tiled_norm_tokens else _norm_saved(z)
+
+
 def attention_saved_per_token(z: Sizes) -> float:
     """Per token, what the attention half of a block keeps for backward: its norm, q/k/v after
     rotary, the output, and the fp32 log-sum-exp per head (TP splits the heads)."""
     model, tp = z.model, z.setup.tp
-    return (_norm_saved(z) + z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.n_heads / tp
+    return (_block_norm_saved(z) + z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.n_heads / tp
             + ulysses_saved_per_token(z))
 
 
@@ -150,13 +156,13 @@ def ulysses_exchange_per_token(z: Sizes) -> float:
 
 def mlp_saved_per_token(z: Sizes) -> float:
     """Per token, what the MLP half keeps: its norm and gate, up, silu(gate), silu(gate) * up."""
-    return _norm_saved(z) + 4 * z.act * z.model.ffn_dim / z.setup.tp * _mlp_tile_share(z)
+    return _block_norm_saved(z) + 4 * z.act * z.model.ffn_dim / z.setup.tp * _tile_share(z, z.setup.tiled_mlp_tokens)
 
 
 def selective_kept_per_token(z: Sizes) -> float:
     """Per token, what one block at the selective level keeps beyond its input: attention's saved
     tensors (q, k, v, out, log-sum-exp); its norm is recomputed."""
-    return attention_saved_per_token(z) - _norm_saved(z)
+    return attention_saved_per_token(z) - _block_norm_saved(z)
 
 
 def selective_layers(z: Sizes) -> int:
@@ -176,9 +182,8 @@ def block_saved_per_token(z: Sizes) -> float:
     return attention_saved_per_token(z) + mlp_saved_per_token(z)
 
 
-def _mlp_tile_share(z: Sizes) -> float:
-    """The share of the local tokens whose MLP intermediates exist at once (tiled MLP: one tile)."""
-    tile = z.setup.tiled_mlp_tokens
+def _tile_share(z: Sizes, tile: int) -> float:
+    """The share of the local tokens whose intermediates exist at once in a layer run in tiles of `tile` (0: whole)."""
     return min(tile, z.local_tokens) / z.local_tokens if tile and z.local_tokens else 1.0
 
 
@@ -222,8 +227,8 @@ def attention_working_set(z: Sizes) -> Term:
     kept = selective_kept_per_token(z) if selective_layers(z) else 0
     recomputed = (attention_saved_per_token(z) - kept) * tokens if z.setup.activation_checkpointing else 0
     grads = (z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.q_dim / tp + z.act * model.dim) * tokens
-    # then the block's input norm differentiates in fp32: about 4 tensors of model width
-    norm_backward = 4 * FP32 * model.dim * tokens
+    # then the block's input norm differentiates in fp32: about 4 tensors of model width (one tile's, tiled)
+    norm_backward = 4 * FP32 * model.dim * tokens * _tile_share(z, z.setup.tiled_norm_tokens)
     # K and V that a GPU holds per token it attends for: under Ulysses 1/sp of the (repeated) heads
     kv_per_token = 2 * z.act * model.kv_dim * z.kv_copies / (tp * z.setup.sp)
     attended = tokens * z.setup.sp  # the cp rank's tokens: what the ring sees after the all-to-all
@@ -240,7 +245,7 @@ def attention_working_set(z: Sizes) -> Term:
         how += "; Ulysses: head-layout gradients and all-to-all buffers"
     return Term("attention working set",
                 _at(0, mlp=recomputed, attention=recomputed + grads + moved + exchange + norm_backward),
-                how + "; the norm's fp32 backward")
+                how + "; the norm's fp32 backward" + (" (one tile)" if z.setup.tiled_norm_tokens else ""))
 
 
 def mlp_working_set(z: Sizes) -> Term:
@@ -249,7 +254,7 @@ def mlp_working_set(z: Sizes) -> Term:
     the gradient of the block's output. Freed before attention's backward."""
     model, tokens = z.model, z.local_tokens
     recomputed = mlp_saved_per_token(z) * tokens if z.setup.activation_checkpointing else 0
-    transient = (2 * z.act * model.ffn_dim / z.setup.tp * _mlp_tile_share(z) + z.act * model.dim) * tokens
+    transient = (2 * z.act * model.ffn_dim / z.setup.tp * _tile_share(z, z.setup.tiled_mlp_tokens) + z.act * model.dim) * tokens
     tiles = f", tiles of {z.setup.tiled_mlp_tokens} tokens" if z.setup.tiled_mlp_tokens else ""
     return Term("MLP working set", _at(0, mlp=recomputed + transient, attention=0),
                 f"{'6' if z.setup.activation_checkpointing else '2'} tensors of intermediate size{tiles}")

@@ -124,38 +124,3 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[n
                     reshard_after_forward=fsdp.reshard_after_forward)
     # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
-
-
-def tiled_forward(forward: Callable[..., torch.Tensor], tile_tokens: int, name: str,
-                  hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-    """`forward` (an MLP's) over the sequence in tiles, each recomputed in backward from its input.
-
-    The MLP's intermediate activations (tokens x ffn, the largest of a block at long lengths)
-    then exist for one tile at a time, forward and backward. Exact: an MLP works token by token,
-    so tiles compute what the whole would.
-    """
-    from torch.utils.checkpoint import checkpoint
-
-    if args or kwargs or hidden.dim() < 2:
-        raise CpctlError(f"tiled_mlp_tokens: {name} takes more than one hidden-state tensor; "
-                         "set memory.tiled_mlp_tokens: 0 for this model")
-    tiles = hidden.split(tile_tokens, dim=1)
-    outputs = [checkpoint(forward, tile, use_reentrant=False) for tile in tiles]
-    if not all(isinstance(out, torch.Tensor) and out.shape == tile.shape for out, tile in zip(outputs, tiles)):
-        raise CpctlError(f"tiled_mlp_tokens: {name} does not map each token to one output token (a mixture of "
-                         "experts returning router logits?); set memory.tiled_mlp_tokens: 0")
-    return torch.cat(outputs, dim=1)
-
-
-def apply_tiled_mlp(blocks: list[nn.Module], *, tile_tokens: int) -> None:
-    """Run each block's `mlp` (the name Hugging Face decoder layers and the example use) in tiles.
-
-    Its forward is replaced on the instance, not wrapped in a new module: parameter names (and
-    so state dicts and checkpoints) stay the model's own.
-    """
-    missing = [type(block).__name__ for block in blocks if not isinstance(getattr(block, "mlp", None), nn.Module)]
-    if missing or not blocks:
-        raise CpctlError(f"tiled_mlp_tokens: no `mlp` submodule in {missing[0] if missing else 'the model'}'s blocks; "
-                         "set memory.tiled_mlp_tokens: 0, or name the block's MLP `mlp`")
-    for block in blocks:
-        block.mlp.forward = functools.partial(tiled_forward, block.mlp.forward, tile_tokens, type(block.mlp).__name__)

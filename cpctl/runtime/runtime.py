@@ -41,11 +41,11 @@ from cpctl.runtime.parallelize import (
     apply_activation_checkpointing,
     apply_fsdp,
     apply_tensor_parallel,
-    apply_tiled_mlp,
     find_blocks,
 )
 from cpctl.runtime.pinned import HostArena, offload_saved_activations
 from cpctl.runtime.selective import AttentionMemo
+from cpctl.runtime.tiling import apply_tiled_mlp, apply_tiled_norms
 from cpctl.versions import require_torch
 
 
@@ -204,10 +204,13 @@ class Runtime:
         return checkpointing
 
     def _transform_blocks(self, model: nn.Module, blocks: list[nn.Module] | None, *, checkpointing: bool) -> list[nn.Module]:
-        """Tiled MLPs and checkpointing per block; the blocks FSDP then shards (wrapped ones, if found here)."""
+        """Tiled MLPs and norms, and checkpointing per block; the blocks FSDP then shards (wrapped ones, if found here)."""
         found = blocks if blocks is not None else find_blocks(model)
-        if self.config.memory.tiled_mlp_tokens:  # before checkpointing wraps the blocks
-            apply_tiled_mlp(found, tile_tokens=self.config.memory.tiled_mlp_tokens)
+        memory = self.config.memory
+        if memory.tiled_mlp_tokens:  # before checkpointing wraps the blocks
+            apply_tiled_mlp(found, tile_tokens=memory.tiled_mlp_tokens)
+        if memory.tiled_norm_tokens:
+            apply_tiled_norms(found, tile_tokens=memory.tiled_norm_tokens)
         if checkpointing:
             self._levels = BlockLevels(self.config, blocks=len(found), model=model, device=self.device)
             wrappers = apply_activation_checkpointing(found, model, contexts=self._checkpoint_contexts)

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 import cpctl
 import cpctl.runtime.runtime
+from cpctl.runtime.tiling import tiled_layers
 
 
 def main() -> None:
@@ -64,9 +65,8 @@ def main() -> None:
     if rt.is_main:
         with open(sys.argv[1], "w") as f:
             checkpointed = any("checkpoint" in type(m).__name__.lower() for m in model.modules())
-            tiled = sum(getattr(m.__dict__.get("forward"), "func", None).__name__ == "tiled_forward"
-                        for m in model.modules() if "forward" in m.__dict__)
-            json.dump({"attention_calls": calls_in_step, "checkpointed": checkpointed, "tiled_mlps": tiled, "cp": rt.cp_size, "tp": rt.config.parallelism.tp_size,
+            tiled = [layer.key for layer in tiled_layers(model)]
+            json.dump({"attention_calls": calls_in_step, "checkpointed": checkpointed, "tiled_mlps": tiled.count("memory.tiled_mlp_tokens"), "tiled_norms": tiled.count("memory.tiled_norm_tokens"), "cp": rt.cp_size, "tp": rt.config.parallelism.tp_size,
                        "logits": (full_logits - ref_logits.detach()).abs().max().item(),
                        "grads": grad_error, "n_params": len(grads), "refusals": refusals}, f)
 

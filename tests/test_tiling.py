@@ -1,0 +1,109 @@
+"""Token-wise layers in tiles (memory.tiled_mlp_tokens, memory.tiled_norm_tokens): the same
+losses and gradients as the whole layers, in one process; the planner's accounting of them.
+
+Under CP the same tiling runs inside checkpointed blocks in tests/test_training.py
+("cp2-tiled") and on a Hugging Face model in tests/test_huggingface.py ("cp2-tiled").
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from cpctl import planner
+from cpctl.errors import CpctlError
+from cpctl.planner import PRESETS, Setup
+from cpctl.runtime.tiling import apply_tiled_mlp, apply_tiled_norms, tiled_layers
+
+K = 1024
+
+
+def tiny_llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def loss_and_grads(model: nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("tiles", [(0, 5), (7, 0), (4, 16)], ids=["norms-5", "mlp-7", "mlp-4-norms-16"])
+def test_tiled_layers_compute_what_the_whole_layers_do(tiles) -> None:
+    mlp_tokens, norm_tokens = tiles
+    reference = tiny_llama()
+    tiled = copy.deepcopy(reference)
+    blocks = list(tiled.model.layers)
+    if mlp_tokens:
+        apply_tiled_mlp(blocks, tile_tokens=mlp_tokens)
+    if norm_tokens:
+        apply_tiled_norms(blocks, tile_tokens=norm_tokens)
+    keys = [layer.key for layer in tiled_layers(tiled)]
+    assert keys.count("memory.tiled_mlp_tokens") == (2 if mlp_tokens else 0)
+    assert keys.count("memory.tiled_norm_tokens") == (4 if norm_tokens else 0)  # input and post-attention norms
+    ids = torch.randint(0, 64, (2, 37))  # tiles that do not divide the sequence
+    want_loss, want = loss_and_grads(reference, ids)
+    got_loss, got = loss_and_grads(tiled, ids)
+    assert set(got) == set(want)  # parameter names unchanged
+    torch.testing.assert_close(got_loss, want_loss, rtol=0, atol=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_block_without_norms_is_refused_in_one_line() -> None:
+    blocks = [nn.Sequential(nn.Linear(4, 4))]
+    with pytest.raises(CpctlError, match=r"tiled_norm_tokens: no LayerNorm or RMSNorm among Sequential's direct "
+                                         r"children; set memory.tiled_norm_tokens: 0"):
+        apply_tiled_norms(blocks, tile_tokens=8)
+
+
+def test_a_norm_given_two_tensors_is_refused_at_its_call() -> None:
+    class TwoInputNorm(nn.LayerNorm):
+        def forward(self, hidden, residual):  # a fused add-and-norm
+            return super().forward(hidden + residual)
+
+    block = nn.Module()
+    block.norm = TwoInputNorm(4)
+    apply_tiled_norms([block], tile_tokens=2)
+    with pytest.raises(CpctlError, match="takes more than one"):
+        block.norm(torch.zeros(1, 4, 4), torch.zeros(1, 4, 4))
+
+
+# ----------------------------------------------------------------------------- the planner
+
+
+def test_tiled_norms_leave_one_tile_of_the_fp32_norm_in_the_plan() -> None:
+    model, tokens = PRESETS["llama-3.2-1b"], 512 * K
+    base = Setup(activation_checkpointing=True, chunked_loss=True, tiled_mlp_tokens=8192, offload_activations=True)
+    whole, tiled = (planner.estimate(model, dataclasses.replace(base, tiled_norm_tokens=t), tokens) for t in (0, 8192))
+    # the recomputed input norm keeps its bf16 output only (not its fp32 input and normalized
+    # value: 4 + 2 bytes a channel), and its fp32 backward (4 tensors of 4 bytes) is one tile's
+    saved = 6 * model.dim * tokens
+    backward = 16 * model.dim * (tokens - 8192)
+    attention = "attention_backward"
+    assert whole.total(attention) - tiled.total(attention) == pytest.approx(saved + backward, rel=1e-9)
+    assert "norms in tiles of 8192 tokens" in tiled.setup.describe()
+
+
+def test_the_8b_shape_trains_3_7m_tokens_on_8_gpus_of_80_gib_with_ulysses() -> None:
+    """DeepSpeed's ALST trains Llama-3.1-8B at 3.7M tokens on 8 H100s with Ulysses: with every memory
+    option, Ulysses over the 8 GPUs and the norms in tiles, so does the plan (on a 2 TiB host,
+    which the offloaded activations and the CPU-offloaded optimizer need)."""
+    model = PRESETS["llama-3.1-8b"]
+    setup = Setup(activation_checkpointing=True, chunked_loss=True, tiled_mlp_tokens=8192, tiled_norm_tokens=8192,
+                  offload_activations=True, cpu_offload=True).with_sp(8, 8)
+    memory = {"gpu_memory_gib": 80, "host_memory_gib": 2048}
+    assert planner.estimate(model, setup, 3700 * K, **memory).fits
+    assert planner.longest_fitting(model, setup, **memory) >= 3700 * K
+    untiled = dataclasses.replace(setup, tiled_norm_tokens=0)
+    assert not planner.estimate(model, untiled, 3700 * K, **memory).fits
+    found = planner.make_plan(model, setup, 3700 * K, **memory).needed_sp
+    assert (found.setup.gpus, found.setup.sp, found.setup.cp) == (8, 8, 1)
