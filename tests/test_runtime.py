@@ -146,10 +146,15 @@ def test_a_steps_state_ends_with_its_context(cp_ranks) -> None:
         assert after["step_unshard"] == [[2 * t for t in range(32)]]
         assert after["rt_unshard"]["type"] == "CpctlError", after["rt_unshard"]
         assert "placed by cost" in after["rt_unshard"]["message"] and "step.unshard" in after["rt_unshard"]["message"]
+        assert after["rt_shift_sharded"]["type"] == "CpctlError"
+        assert after["rt_shift_sharded"]["message"].startswith("rt.shift_sharded after maybe_context_parallel")
         after_error = result["after_error"]
         assert after_error["raised"] == "the body failed"
         assert after_error["padding"] is None and not after_error["active"] and not after_error["appended"]
         assert after_error["shard"] == result["plain"] and after_error["ids_restored"]
+        assert result["counted_tail"]["type"] == "CpctlError"
+        assert "counts the tokens appended at the end (the sequence of 30 tokens was padded to 32" in \
+            result["counted_tail"]["message"]
         assert result["plain_step_unshard"] == [[3 * t for t in range(32)]]
 
 

@@ -324,27 +324,32 @@ class Runtime:
     def unshard(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Gather a sequence-sharded tensor back to full length, in original token order
         (without the tokens the step appended to make the length divide)."""
-        return self._gathering(tensor, seq_dim).unshard(tensor, seq_dim=seq_dim)
+        return self._step_of(tensor, seq_dim, what="rt.unshard").unshard(tensor, seq_dim=seq_dim)
 
     def gather_padded(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """`unshard`, keeping the tokens appended at the end (as the shards hold them)."""
-        return self._gathering(tensor, seq_dim).gather_padded(tensor, seq_dim=seq_dim)
+        return self._step_of(tensor, seq_dim, what="rt.unshard").gather_padded(tensor, seq_dim=seq_dim)
 
-    def _gathering(self, tensor: torch.Tensor, seq_dim: int) -> Step:
-        """The step to gather `tensor` with; outside any step the plain layout, unless `tensor` looks
-        like the latest step's result and that step's layout is not the plain one: refused, not guessed."""
-        if self._step is not None:
-            return self._step
-        last = self.last_step
-        if last is not None and not last.is_plain and tensor.dim() > seq_dim % max(tensor.dim(), 1) \
-                and tensor.shape[seq_dim] == last.local_length:
+    def _step_of(self, tensor: torch.Tensor, seq_dim: int, *, what: str) -> Step:
+        """The step whose layout the sharded `tensor` is read in: the active one; outside any step the
+        plain layout, unless `tensor` has the latest step's tokens per rank and that step placed them
+        otherwise (packed documents, padding): refused, not guessed."""
+        last = self._result_of(tensor, seq_dim)
+        if last is not None:
             how = last.padding.describe() if last.padding is not None else "its packed documents were placed by cost"
             raise CpctlError(
-                f"rt.unshard after maybe_context_parallel of a tensor with the step's {last.local_length} tokens per "
-                f"rank: {how}, which the plain layout outside the context does not know; gather the step's results "
-                "inside the context, or after it with the step the context yields "
+                f"{what} after maybe_context_parallel of a tensor with the step's {last.local_length} tokens per "
+                f"rank: {how}, which the plain layout outside the context does not know; use it inside the "
+                "context, or gather it after the context with the step the context yields "
                 "(`with rt.maybe_context_parallel(...) as step:`, then `step.unshard(tensor, seq_dim=...)`)")
         return self._now()
+
+    def _result_of(self, tensor: torch.Tensor, seq_dim: int) -> Step | None:
+        """Outside any step: the latest step, when `tensor` may be its result and its layout is not the plain one."""
+        last = self.last_step
+        if self._step is not None or last is None or last.is_plain or tensor.dim() <= seq_dim % max(tensor.dim(), 1):
+            return None
+        return last if tensor.shape[seq_dim] == last.local_length else None
 
     @property
     def padding(self) -> padding.EndPadding | None:
@@ -422,7 +427,8 @@ class Runtime:
             from cpctl.runtime.data import shift_labels
 
             return shift_labels(labels, ignore_index=ignore_index)
-        layout, chunk_len = self.layout, labels.shape[1] // len(self.layout.local_chunks)
+        layout = self._step_of(labels, 1, what="rt.shift_sharded").layout
+        chunk_len = labels.shape[1] // len(layout.local_chunks)
         firsts = labels[:, ::chunk_len].contiguous()  # (batch, local chunks)
         gathered = [torch.empty_like(firsts) for _ in range(self.seq_size)]
         dist.all_gather(gathered, firsts, group=self.seq_group)
@@ -490,16 +496,18 @@ class Runtime:
             step.exit()
 
     def require_ignored_tail(self, labels: torch.Tensor, *, ignore_index: int = -100, what: str) -> None:
-        """The appended tokens' labels must be ignored, or `what` would count them (on every CP rank together)."""
-        appended = self.appended_in_shard(labels.shape[-1], device=labels.device)
+        """The appended tokens' labels must be ignored, or `what` would count them (on every CP rank together).
+        After the context, labels that may be the latest step's are checked against its padding."""
+        step = self._result_of(labels, -1) or self._now()
+        appended = step.appended_in_shard(labels.shape[-1], device=labels.device)
         if appended is None:
             return
         counted = bool((labels[..., appended] != ignore_index).any())
         self.raise_together(
-            f"{what} counts the tokens appended at the end ({self.padding.describe()} to split over the CP "
+            f"{what} counts the tokens appended at the end ({step.padding.describe()} to split over the CP "
             f"ranks): their labels are not {ignore_index}; build labels that end with {ignore_index} "
             "(cpctl.shift_labels), pass pad_values with -100 for them, or make the length a multiple of "
-            f"{self.layout.num_chunks}" if counted else None)
+            f"{step.layout.num_chunks}" if counted else None)
 
     def _log_balance(self, step: Step) -> None:
         """How packed documents are spread: once at INFO (the run's log says it), then per step at DEBUG."""
@@ -573,10 +581,11 @@ class Runtime:
         for name, tensor in (("labels", labels), ("position_ids", position_ids)):
             self.require_sharded(tensor, name=f"document_mean's {name}", seq_dim=1)
         self.require_ignored_tail(labels, ignore_index=ignore_index, what="rt.document_mean's loss")
-        full_positions = self.unshard(position_ids, seq_dim=1)
+        step = self._step_of(position_ids, 1, what="rt.document_mean")
+        full_positions = step.unshard(position_ids, seq_dim=1)
         positions = torch.arange(full_positions.shape[1], device=labels.device).expand_as(full_positions)
         return losses.document_mean(token_losses, labels, starts=packing.starts_per_row(full_positions),
-                                    token_positions=self.shard(positions, seq_dim=1), cp=self.axes["cp_sp"],
+                                    token_positions=step.shard(positions, seq_dim=1), cp=self.axes["cp_sp"],
                                     dp=self.axes["dp"], dp_cp=self.axes["dp_cp"], ignore_index=ignore_index)
 
 

@@ -232,7 +232,8 @@ def case_step_state(rt: Runtime) -> dict:
     after = {"shard": rt.shard(tokens(32), 1).tolist(), "active": rt.cp_active, "balance": rt.cp_balance,
              "local_chunks": list(rt.layout.local_chunks), "ids_restored": ids.tolist() == tokens(32).tolist(),
              "step_unshard": None if step is None else step.unshard(result, seq_dim=1).tolist(),
-             "rt_unshard": error_of(lambda: rt.unshard(result, 1))}
+             "rt_unshard": error_of(lambda: rt.unshard(result, 1)),
+             "rt_shift_sharded": error_of(lambda: rt.shift_sharded(result))}
     # 30 tokens are padded to 32; the body fails: everything the step set goes with it.
     ids = tokens(30)
 
@@ -245,12 +246,17 @@ def case_step_state(rt: Runtime) -> dict:
     after_error = {"raised": raised["message"], "padding": None if rt.padding is None else rt.padding.describe(),
                    "active": rt.cp_active, "shard": rt.shard(tokens(32), 1).tolist(),
                    "ids_restored": ids.tolist() == tokens(30).tolist(), "appended": rt.appended_in_shard(16) is not None}
+    # Labels kept sharded after a padded step are still checked against the tokens it appended.
+    labels = tokens(30)  # no -100 anywhere: the appended labels repeat the last one
+    with rt.maybe_context_parallel(buffers=[labels], buffer_seq_dims=[1], no_restore_buffers={labels}):
+        pass
+    counted_tail = error_of(lambda: rt.token_mean(torch.tensor(1.0), labels))
     # A plain step's results are gathered by rt.unshard after the context, as ever.
     ids = tokens(32)
     with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1]):
         result = ids * 3
     return {"plain": plain, "inside": inside, "after": after, "after_error": after_error,
-            "plain_step_unshard": rt.unshard(result, 1).tolist()}
+            "counted_tail": counted_tail, "plain_step_unshard": rt.unshard(result, 1).tolist()}
 
 
 def case_functional_attention(rt: Runtime) -> dict:
