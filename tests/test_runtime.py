@@ -133,6 +133,31 @@ def test_an_optimizer_made_before_prepare_model_is_refused_in_one_process(single
     assert error["type"] == "CpctlError" and "before rt.prepare_model" in error["message"], error
 
 
+def test_a_steps_state_ends_with_its_context(cp_ranks) -> None:
+    """After a packed step (cost-placed chunks) rt.shard outside the context shards head-tail again;
+    after a padded step whose body raised nothing of it is left; the step gathers its own results."""
+    for rank, result in enumerate(case(cp_ranks, "step_state")):
+        assert result["plain"] == [tokens_of(rank, 32)]
+        assert result["inside"]["active"] and result["inside"]["shard"] != result["plain"]  # placed by cost
+        after = result["after"]
+        assert after["shard"] == result["plain"] and after["local_chunks"] == [rank, 2 * CP - 1 - rank]
+        assert not after["active"] and after["ids_restored"]
+        assert after["balance"] is not None and after["balance"] <= 1.25  # a report of the step, kept
+        assert after["step_unshard"] == [[2 * t for t in range(32)]]
+        assert after["rt_unshard"]["type"] == "CpctlError", after["rt_unshard"]
+        assert "placed by cost" in after["rt_unshard"]["message"] and "step.unshard" in after["rt_unshard"]["message"]
+        assert after["rt_shift_sharded"]["type"] == "CpctlError"
+        assert after["rt_shift_sharded"]["message"].startswith("rt.shift_sharded after maybe_context_parallel")
+        after_error = result["after_error"]
+        assert after_error["raised"] == "the body failed"
+        assert after_error["padding"] is None and not after_error["active"] and not after_error["appended"]
+        assert after_error["shard"] == result["plain"] and after_error["ids_restored"]
+        assert result["counted_tail"]["type"] == "CpctlError"
+        assert "counts the tokens appended at the end (the sequence of 30 tokens was padded to 32" in \
+            result["counted_tail"]["message"]
+        assert result["plain_step_unshard"] == [[3 * t for t in range(32)]]
+
+
 def test_an_error_inside_the_context_still_restores_the_buffers(cp_ranks) -> None:
     for result in case(cp_ranks, "bad_inputs"):
         assert result["ids_after_errors"] == [list(range(8))]

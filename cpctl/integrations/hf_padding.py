@@ -26,7 +26,7 @@ import torch
 from cpctl.errors import CpctlError
 
 if TYPE_CHECKING:
-    from cpctl.runtime.runtime import Runtime
+    from cpctl.integrations.runtime_view import RuntimeView
 
 IGNORE_INDEX = -100
 NOT_RIGHT_PADDED = ("an attention_mask with left padding or holes under context parallelism; CP computes rows whose "
@@ -34,7 +34,7 @@ NOT_RIGHT_PADDED = ("an attention_mask with left padding or holes under context 
                     "\"right\"), or pack the sequences without padding")
 
 
-def adapt(kwargs: dict, runtime: Runtime, *, local_len: int, device: torch.device) -> None:
+def adapt(kwargs: dict, runtime: RuntimeView, *, local_len: int, device: torch.device) -> None:
     """The forward's keyword arguments (this rank's shards), made exact for the row ends, in place."""
     appended = runtime.appended_in_shard(local_len, device=device)
     if appended is not None:
@@ -51,7 +51,7 @@ def adapt(kwargs: dict, runtime: Runtime, *, local_len: int, device: torch.devic
     kwargs["attention_mask"] = None  # what is left is causal attention over every row
 
 
-def dead_tail_starts(runtime: Runtime, mask: torch.Tensor | None, *,
+def dead_tail_starts(runtime: RuntimeView, mask: torch.Tensor | None, *,
                      appended: torch.Tensor | None = None) -> torch.Tensor | None:
     """Where each row's padding starts (full-sequence index), for a right-padded `mask` (this
     rank's shard); None when no real token is masked. Left padding or holes: refused. Every CP
@@ -76,7 +76,7 @@ def dead_tail_starts(runtime: Runtime, mask: torch.Tensor | None, *,
     return full.sum(dim=1)  # ones then zeros: the first zero is at the count of ones
 
 
-def _require_ignored(runtime: Runtime, starts: torch.Tensor, *, labels: torch.Tensor | None,
+def _require_ignored(runtime: RuntimeView, starts: torch.Tensor, *, labels: torch.Tensor | None,
                      shift_labels: torch.Tensor | None) -> None:
     """Each padded position's prediction must be ignored: its logits are not one process's."""
     if shift_labels is not None:
@@ -94,7 +94,7 @@ def _require_ignored(runtime: Runtime, starts: torch.Tensor, *, labels: torch.Te
                          "(DataCollatorForLanguageModeling and TRL's collator do)")
 
 
-def _continued(runtime: Runtime, position_ids: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
+def _continued(runtime: RuntimeView, position_ids: torch.Tensor, starts: torch.Tensor | None) -> torch.Tensor:
     """Position ids whose dead tail (padding, appended tokens) counts on from the last real token."""
     full = runtime.gather_padded(position_ids, seq_dim=-1)
     length = runtime.padding.length if runtime.padding is not None else full.shape[-1]

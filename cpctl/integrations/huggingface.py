@@ -44,7 +44,7 @@ from cpctl.attention.dispatch import MODEL_CAUSAL_MASK
 from cpctl.errors import CpctlError
 
 if TYPE_CHECKING:
-    from cpctl.runtime.runtime import Runtime
+    from cpctl.integrations.runtime_view import RuntimeView
 
 IMPLEMENTATION = "cpctl"
 # Layer kinds (config.layer_types) that call the attention function; anything else mixes
@@ -65,7 +65,7 @@ def is_huggingface_model(model: nn.Module) -> bool:
 # ---------------------------------------------------------------------------- before the first step
 
 
-def prepare(model: nn.Module, runtime: Runtime) -> bool:
+def prepare(model: nn.Module, runtime: RuntimeView) -> bool:
     """Check `model`'s config for what CP cannot compute, then route its attention through cpctl.
 
     Returns whether the model had its own gradient checkpointing on: it is turned off here
@@ -106,7 +106,7 @@ def prepare(model: nn.Module, runtime: Runtime) -> bool:
     return checkpointing
 
 
-def _refuse_inside(runtime: Runtime, problem: str) -> None:
+def _refuse_inside(runtime: RuntimeView, problem: str) -> None:
     if runtime.cp_active:
         raise CpctlError(problem)
 
@@ -191,15 +191,15 @@ def _register() -> None:
 
 
 # The runtime, handed down by prepare(): this module sits below the runtime and never imports it.
-_runtime: Runtime | None = None
+_runtime: RuntimeView | None = None
 
 
-def _active() -> Runtime | None:
+def _active() -> RuntimeView | None:
     """The runtime while its maybe_context_parallel routes attention, else None."""
     return _runtime if _runtime is not None and _runtime.cp_active else None
 
 
-def _refuse_padding(runtime: Runtime, attention_mask: torch.Tensor | None) -> None:
+def _refuse_padding(runtime: RuntimeView, attention_mask: torch.Tensor | None) -> None:
     """Right padding is computed (hf_padding); left padding and holes are refused, on every CP rank."""
     from cpctl.integrations import hf_padding
 
@@ -275,7 +275,7 @@ def _layer_pattern(module: nn.Module, sliding_window: int | None) -> tuple[int |
 # ---------------------------------------------------------------------------- the model's forward
 
 
-def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtime):
+def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: RuntimeView):
     if not runtime.cp_active:
         return None
     if _checkpointing_on(model):
@@ -334,7 +334,7 @@ def _builds_cache(model: nn.Module, kwargs: dict) -> bool:
     return bool(use_cache)
 
 
-def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
+def _loss_arguments(model: nn.Module, kwargs: dict, runtime: RuntimeView) -> dict:
     """What makes the model's own `.loss` the single-process one: labels shifted across shard
     boundaries, and a divisor that turns FSDP's gradient average into the global token mean."""
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -365,7 +365,7 @@ def _loss_arguments(model: nn.Module, kwargs: dict, runtime: Runtime) -> dict:
     return {"shift_labels": shifted, "num_items_in_batch": tokens.clamp(min=1) / ranks}
 
 
-def _after_forward(model: nn.Module, output: Any, runtime: Runtime):
+def _after_forward(model: nn.Module, output: Any, runtime: RuntimeView):
     if getattr(model, "_cpctl_calls_sdpa", False) and runtime.cp_active:
         if runtime.attention_calls == getattr(model, "_cpctl_calls_before", runtime.attention_calls):
             raise CpctlError(f"{type(model).__name__} computed attention without calling scaled_dot_product_attention "
@@ -386,7 +386,7 @@ def _after_forward(model: nn.Module, output: Any, runtime: Runtime):
 # ---------------------------------------------------------------------------- a loss without full logits
 
 
-def causal_lm_loss(model: nn.Module, runtime: Runtime, *, input_ids: torch.Tensor, labels: torch.Tensor,
+def causal_lm_loss(model: nn.Module, runtime: RuntimeView, *, input_ids: torch.Tensor, labels: torch.Tensor,
                    chunk_tokens: int, **kwargs: Any) -> torch.Tensor:
     """The model's causal-LM loss (the global token mean) from its final hidden states and its
     output embedding, chunk by chunk: the full logits are never built. `labels` as for

@@ -131,25 +131,14 @@ def predicting(prediction_step: Any, runtime: Any) -> Any:
     """`prediction_step` whose logits, when the step was sharded, are gathered back whole."""
     @functools.wraps(prediction_step)
     def predicted_whole(self, model, inputs, *args, **kwargs):
-        entries = runtime.context_entries
+        before = runtime.last_step
         loss, logits, labels = prediction_step(self, model, inputs, *args, **kwargs)
-        if logits is not None and runtime.context_entries != entries and runtime.seq_size > 1:
-            logits = unshard_outputs(runtime, logits)
+        step = runtime.last_step
+        if logits is not None and step is not before and runtime.seq_size > 1:
+            logits = step.unshard_results(logits)
         return loss, logits, labels
 
     return predicted_whole
-
-
-def unshard_outputs(runtime: Any, outputs: Any) -> Any:
-    """Tensors of the last step's local length along dim 1, gathered over the CP group in token order."""
-    local = runtime.step_local_length
-    if isinstance(outputs, torch.Tensor):
-        return runtime.unshard(outputs, 1) if outputs.dim() >= 2 and outputs.shape[1] == local else outputs
-    if isinstance(outputs, (tuple, list)):
-        return type(outputs)(unshard_outputs(runtime, item) for item in outputs)
-    if isinstance(outputs, dict):
-        return type(outputs)({key: unshard_outputs(runtime, item) for key, item in outputs.items()})
-    return outputs
 
 
 def _noticing_trl(init: Any, runtime: Any) -> Any:

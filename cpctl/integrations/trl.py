@@ -25,7 +25,6 @@ from typing import Any
 import torch
 
 from cpctl.integrations.patches import PATCHES, require_known
-from cpctl.integrations.trainer import unshard_outputs
 from cpctl.runtime.padding import IGNORE_INDEX
 from cpctl.versions import KNOWN_TRL
 
@@ -64,6 +63,7 @@ def _predicting_under_cp(prediction_step: Any, runtime: Any) -> Any:
             return prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
         labels = inputs["labels"].detach()  # a handle on the whole labels: the buffers are sharded in place
         context, inputs = self._prepare_context_parallel_inputs(model, inputs)
+        before = runtime.last_step
         with torch.no_grad(), self.compute_loss_context_manager(), context():
             if prediction_loss_only:
                 loss, logits = self.compute_loss(model, inputs, return_outputs=False), None
@@ -75,8 +75,9 @@ def _predicting_under_cp(prediction_step: Any, runtime: Any) -> Any:
         totals = torch.stack([loss.detach().float() * tokens, tokens.float()])
         torch.distributed.all_reduce(totals, group=runtime.seq_group)
         loss = (totals[0] / totals[1].clamp(min=1)).to(loss.dtype)
-        if logits is not None:
-            logits = unshard_outputs(runtime, logits)
+        step = runtime.last_step
+        if logits is not None and step is not before:  # gathered with the step the context above entered
+            logits = step.unshard_results(logits)
         return loss, logits, labels
 
     return predicted_under_cp

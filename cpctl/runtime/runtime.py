@@ -18,7 +18,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,9 +27,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from cpctl import config
-from cpctl.attention import ChunkLayout, context_parallel_attention, sharding
+from cpctl.attention import ChunkLayout, context_parallel_attention
 from cpctl.attention.dispatch import RouteSDPA
-from cpctl.attention.ulysses import sequence_layout, ulysses_attention
+from cpctl.attention.ulysses import ulysses_attention
 from cpctl.errors import CpctlError
 from cpctl.integrations import huggingface
 from cpctl.runtime import documents as packing
@@ -45,6 +45,7 @@ from cpctl.runtime.parallelize import (
 )
 from cpctl.runtime.pinned import HostArena, offload_saved_activations
 from cpctl.runtime.selective import AttentionMemo
+from cpctl.runtime.step import SequenceSplit, Step
 from cpctl.runtime.tiling import apply_tiled_mlp, apply_tiled_norms
 from cpctl.versions import require_torch
 
@@ -57,22 +58,16 @@ class Runtime:
     mesh: DeviceMesh
     device: torch.device
     axes: dict[str, DeviceMesh]  # every axis by name, flattened ones included
-    _cp_active: bool = False  # inside maybe_context_parallel
-    _seq_lengths: dict[int, int] = field(default_factory=dict)  # this step's sharded lengths: full -> local
-    # Set by each maybe_context_parallel, kept after it (rt.unshard of its results needs them):
-    _step_layout: ChunkLayout | None = None  # a cost-balanced layout for packed documents
-    _documents: list[packing.Starts] | None = None  # document starts per row, when packed
-    _padding: padding.EndPadding | None = None  # tokens appended so the layout divides the length
-    _tail_hidden: str | None = None  # why attention must be causal this step (tokens at the end that count for nothing)
-    cp_balance: float | None = None  # slowest CP rank's attention work / mean, this step (packed documents)
+    # The step whose body runs (maybe_context_parallel, a checkpointed block's recompute); None outside.
+    _step: Step | None = None
+    last_step: Step | None = None  # the latest step entered: after its context, its results are gathered with it
+    _plain: Step | None = None  # what holds outside any step (the plain layout), made once
     _balance_logged: bool = False
     _memo: AttentionMemo | None = None  # the checkpointed block whose attention outputs are kept (selective level)
     _host_arena: HostArena | None = None  # host memory of the offloaded activations (memory.offload_activations)
     _levels: BlockLevels | None = None  # which checkpointed blocks are selective (memory.checkpoint_level)
     caller_counts_tokens: bool = False  # inside caller_counts_loss_tokens(): a model may take num_items_in_batch
     attention_calls: int = 0  # calls of the CP engine so far (a model's attention can be seen to go through it)
-    context_entries: int = 0  # how many times maybe_context_parallel sharded buffers (cp_size x sp_size > 1)
-    step_local_length: int | None = None  # the last such step's tokens per rank (padding included)
 
     # ------------------------------------------------------------------ coordinates
 
@@ -130,21 +125,42 @@ class Runtime:
     @property
     def cp_active(self) -> bool:
         """Inside maybe_context_parallel's routing (at every cp size, 1 included)."""
-        return self._cp_active
+        return self._step is not None
+
+    @property
+    def split(self) -> SequenceSplit:
+        """Where this rank sits among the ranks that split one sequence."""
+        return SequenceSplit(cp_size=self.cp_size, cp_rank=self.cp_rank, sp_size=self.sp_size, sp_rank=self.sp_rank,
+                             load_balance=self.config.parallelism.cp_load_balance)
+
+    def _now(self) -> Step:
+        """The step whose body runs, else the plain layout that holds outside any step."""
+        if self._step is not None:
+            return self._step
+        if self._plain is None:
+            self._plain = Step.plain(self.split, group=self.seq_group)
+        return self._plain
 
     @property
     def ring_layout(self) -> ChunkLayout:
         """The chunks each cp rank holds this step: head-tail (or plain), or cost-balanced for packed
         documents. At cp_size 1 one chunk, the whole sequence: there is no other rank to balance against."""
-        if self._step_layout is not None:
-            return self._step_layout
-        return ChunkLayout(cp_size=self.cp_size, cp_rank=self.cp_rank,
-                           load_balance=self.config.parallelism.cp_load_balance and self.cp_size > 1)
+        return self._now().ring_layout
 
     @property
     def layout(self) -> ChunkLayout:
         """The tokens this rank holds this step: the ring's chunks, each cut over the sp ranks (sp > 1)."""
-        return sequence_layout(self.ring_layout, sp_size=self.sp_size, sp_rank=self.sp_rank)
+        return self._now().layout
+
+    @property
+    def cp_balance(self) -> float | None:
+        """The latest step's slowest CP rank's attention work / mean (packed documents; else None)."""
+        return None if self.last_step is None else self.last_step.balance
+
+    @property
+    def step_local_length(self) -> int | None:
+        """The latest step's tokens per rank (padding included)."""
+        return None if self.last_step is None else self.last_step.local_length
 
     # ------------------------------------------------------------------ model and data
 
@@ -239,10 +255,11 @@ class Runtime:
         per recompute (a backward with retain_graph recomputes again), so each entry makes its
         contexts anew.
         """
-        active, documents = self._cp_active, self._documents
+        step = self._step
+        documents = None if step is None else step.documents
 
         def routing() -> contextlib.AbstractContextManager:
-            return self._routing(documents) if active else contextlib.nullcontext()
+            return self._routing(step, documents) if step is not None else contextlib.nullcontext()
 
         if self._levels is None or not self._levels.selective(index):
             return contextlib.nullcontext(), _EachEntry(routing)
@@ -272,20 +289,21 @@ class Runtime:
             self.caller_counts_tokens = was
 
     @contextlib.contextmanager
-    def _routing(self, documents: list[packing.Starts] | None) -> Iterator[None]:
-        """Attention computed across the CP group: SDPA calls, and Hugging Face layers (which ask cp_active)."""
-        was = self._cp_active, self._documents
-        self._cp_active, self._documents = True, documents
+    def _routing(self, step: Step, documents: list[packing.Starts] | None) -> Iterator[None]:
+        """`step` active, with `documents`: attention computed across the CP group (SDPA calls, and
+        Hugging Face layers, which ask cp_active)."""
+        was = self._step, step.documents
+        self._step, step.documents = step, documents
         try:
             with RouteSDPA(self.step_attention, cp_size=self.seq_size, passes_masks=self._passes_masks):
                 yield
         finally:
-            self._cp_active, self._documents = was
+            self._step, step.documents = was
 
     def _passes_masks(self) -> bool:
         """Whether an SDPA call with a tensor mask may run as it is: at cp_size 1 the mask covers the
         whole sequence, unless this step's documents would have to be added to it."""
-        return self.seq_size == 1 and self._documents is None
+        return self.seq_size == 1 and self._now().documents is None
 
     def prepare_dataloader(self, dataset, *, batch_size: int = 1, shuffle: bool = True, collate_fn=None,
                            seed: int = 0, **loader_kwargs) -> torch.utils.data.DataLoader:
@@ -304,43 +322,51 @@ class Runtime:
     def shard(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """This rank's (load-balanced) shard of a full-length tensor, as a new tensor
         (with cp_size 1: the tensor itself, which is its whole shard)."""
-        if self.seq_size == 1:
-            return tensor
-        if self._cp_active and self._padding is not None and tensor.shape[seq_dim] == self._padding.length:
-            tensor = padding.pad(tensor, seq_dim=seq_dim, padding=self._padding)
-        return sharding.shard(tensor, seq_dim=seq_dim, layout=self.layout)
+        return self._now().shard(tensor, seq_dim=seq_dim)
 
     def unshard(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Gather a sequence-sharded tensor back to full length, in original token order
         (without the tokens the step appended to make the length divide)."""
-        full = self.gather_padded(tensor, seq_dim)
-        if self._padding is not None and full.shape[seq_dim] == self._padding.padded:
-            return full.narrow(seq_dim, 0, self._padding.length)
-        return full
+        return self._step_of(tensor, seq_dim, what="rt.unshard").unshard(tensor, seq_dim=seq_dim)
 
     def gather_padded(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """`unshard`, keeping the tokens appended at the end (as the shards hold them)."""
-        if self.seq_size == 1:
-            return tensor
-        pieces = [torch.empty_like(tensor) for _ in range(self.seq_size)]
-        dist.all_gather(pieces, tensor.contiguous(), group=self.seq_group)
-        return sharding.unshard(pieces, seq_dim=seq_dim, layout=self.layout)
+        return self._step_of(tensor, seq_dim, what="rt.unshard").gather_padded(tensor, seq_dim=seq_dim)
+
+    def _step_of(self, tensor: torch.Tensor, seq_dim: int, *, what: str) -> Step:
+        """The step whose layout the sharded `tensor` is read in: the active one; outside any step the
+        plain layout, unless `tensor` has the latest step's tokens per rank and that step placed them
+        otherwise (packed documents, padding): refused, not guessed."""
+        last = self._result_of(tensor, seq_dim)
+        if last is not None:
+            how = last.padding.describe() if last.padding is not None else "its packed documents were placed by cost"
+            raise CpctlError(
+                f"{what} after maybe_context_parallel of a tensor with the step's {last.local_length} tokens per "
+                f"rank: {how}, which the plain layout outside the context does not know; use it inside the "
+                "context, or gather it after the context with the step the context yields "
+                "(`with rt.maybe_context_parallel(...) as step:`, then `step.unshard(tensor, seq_dim=...)`)")
+        return self._now()
+
+    def _result_of(self, tensor: torch.Tensor, seq_dim: int) -> Step | None:
+        """Outside any step: the latest step, when `tensor` may be its result and its layout is not the plain one."""
+        last = self.last_step
+        if self._step is not None or last is None or last.is_plain or tensor.dim() <= seq_dim % max(tensor.dim(), 1):
+            return None
+        return last if tensor.shape[seq_dim] == last.local_length else None
 
     @property
     def padding(self) -> padding.EndPadding | None:
-        """The tokens this step appended so that the layout divides its length (None: none)."""
-        return self._padding
+        """The tokens this step appended so that the layout divides its length (None: none, or outside a step)."""
+        return self._now().padding
 
     def appended_in_shard(self, local_len: int, *, device: torch.device | None = None) -> torch.Tensor | None:
         """Which of this rank's `local_len` tokens were appended by the step's padding (None: none)."""
-        if self._padding is None or local_len * self.seq_size != self._padding.padded:
-            return None
-        index = torch.arange(self._padding.padded, device=device or self.device)
-        return sharding.shard(index, seq_dim=0, layout=self.layout) >= self._padding.length
+        return self._now().appended_in_shard(local_len, device=device or self.device)
 
     def hide_tail(self, reason: str) -> None:
-        """Tokens at the end of this step's rows count for nothing: attention must stay causal."""
-        self._tail_hidden = self._tail_hidden or reason
+        """Tokens at the end of this step's rows count for nothing: attention must stay causal (inside a step)."""
+        if self._step is not None:
+            self._step.hide_tail(reason)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                   scale: float | None = None, enable_gqa: bool = False, window: int | None = None,
@@ -369,26 +395,17 @@ class Runtime:
 
     def step_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
         """`attention` with this step's packed documents: what routed calls inside the context get."""
-        if self._tail_hidden is not None and not options.get("is_causal", False):
-            raise CpctlError(f"attention that is not causal under context parallelism, and {self._tail_hidden}: "
+        step = self._now()
+        if step.tail_hidden is not None and not options.get("is_causal", False):
+            raise CpctlError(f"attention that is not causal under context parallelism, and {step.tail_hidden}: "
                              "every token would see those at the end; make each row's length a multiple of "
                              f"{self.layout.num_chunks} without padding (or use causal attention)")
-        return self.attention(q, k, v, documents=self._documents, **options)
+        return self.attention(q, k, v, documents=step.documents, **options)
 
     def require_sharded(self, tensor: torch.Tensor | None, *, name: str, seq_dim: int) -> None:
         """Inside maybe_context_parallel: `tensor` must have this step's local length along `seq_dim`."""
-        if tensor is None or not self._seq_lengths or tensor.dim() <= seq_dim % max(tensor.dim(), 1):
-            return
-        length = tensor.shape[seq_dim]
-        if length in self._seq_lengths.values():
-            return
-        if length in self._seq_lengths:
-            raise CpctlError(
-                f"{name} has the full sequence length {length} inside maybe_context_parallel; add it to buffers "
-                "(with its sequence dim) so it is sharded like the other inputs"
-            )
-        raise CpctlError(f"{name} has sequence length {length}, but this step's sharded buffers have "
-                         f"{sorted(self._seq_lengths.values())} tokens per rank")
+        if self._step is not None:
+            self._step.require_sharded(tensor, name=name, seq_dim=seq_dim)
 
     def adopt_position_ids(self, position_ids: torch.Tensor) -> None:
         """Sharded position ids that a model is called with: where they restart, documents are packed.
@@ -396,10 +413,13 @@ class Runtime:
         With `maybe_context_parallel(documents=...)` they must agree with it; without, their
         documents are computed exactly on this step's (head-tail) layout.
         """
-        rows = packing.documents_or_none(packing.starts_per_row(self.unshard(position_ids, seq_dim=-1)))
-        if self._documents is None:
-            self._documents = rows
-        elif not _same_documents(rows or [(0,)], self._documents):
+        step = self._step
+        if step is None:
+            return  # outside a step there are no documents to keep
+        rows = packing.documents_or_none(packing.starts_per_row(step.unshard(position_ids, seq_dim=-1)))
+        if step.documents is None:
+            step.documents = rows
+        elif not _same_documents(rows or [(0,)], step.documents):
             raise CpctlError("the model's position_ids and maybe_context_parallel(documents=...) place documents "
                              "differently; pass the same position ids to both")
 
@@ -410,7 +430,8 @@ class Runtime:
             from cpctl.runtime.data import shift_labels
 
             return shift_labels(labels, ignore_index=ignore_index)
-        layout, chunk_len = self.layout, labels.shape[1] // len(self.layout.local_chunks)
+        layout = self._step_of(labels, 1, what="rt.shift_sharded").layout
+        chunk_len = labels.shape[1] // len(layout.local_chunks)
         firsts = labels[:, ::chunk_len].contiguous()  # (batch, local chunks)
         gathered = [torch.empty_like(firsts) for _ in range(self.seq_size)]
         dist.all_gather(gathered, firsts, group=self.seq_group)
@@ -433,10 +454,11 @@ class Runtime:
     def maybe_context_parallel(self, *, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
                                no_restore_buffers: Iterable[torch.Tensor] = (),
                                documents: torch.Tensor | None = None,
-                               pad_values: Sequence[padding.PadValue] | None = None) -> Iterator[None]:
+                               pad_values: Sequence[padding.PadValue] | None = None) -> Iterator[Step]:
         """Shard `buffers` in place along their sequence dims and compute every SDPA call
         across the CP group; on exit restore the buffers not in `no_restore_buffers`.
-        Enter it anew every step.
+        Enter it anew every step. It yields the step (cpctl.runtime.step): the runtime holds it
+        while the body runs; after the context, `step.unshard` gathers the step's results.
 
         With cp_size and sp_size 1 the shard is the whole sequence (the buffers are left as they
         are), and attention is computed by the same engine over a group of one: the same masks,
@@ -447,7 +469,7 @@ class Runtime:
         inside documents, and the chunks are assigned to ranks by cost.
 
         A length the layout does not divide is padded at the end (cpctl.runtime.padding): the
-        appended tokens count for nothing, and restored buffers and `rt.unshard` drop them.
+        appended tokens count for nothing, and restored buffers and `rt.unshard` (inside) drop them.
         `pad_values` (one per buffer: a number, "positions", or None for cpctl's rule) says
         what to append where the rule would guess wrong.
         """
@@ -465,75 +487,40 @@ class Runtime:
                              f"first buffer {seq_len} tokens; pass the full-length position ids")
         if seq_len is None:
             seq_len = documents.shape[-1] if documents is not None else 0
-        self._step_layout, self._padding, self._tail_hidden = None, None, None
-        self._padding = padding.plan(seq_len, divisor=self.layout.num_chunks)
-        values = list(pad_values) if pad_values is not None else [None] * len(buffers)
-        if self._padding is not None:
-            self.hide_tail(self._padding.describe())
-            if documents is not None:
-                documents = padding.pad(documents, seq_dim=-1, padding=self._padding, value=padding.POSITIONS)
-        self._place(documents, seq_len=self._padding.padded if self._padding is not None else seq_len)
-        originals = []
-        with torch.no_grad():
-            # Every shard first (each checks its length), so a bad buffer leaves none half-done.
-            shards = [self.shard(self._padded(b, seq_dim=d, value=value), seq_dim=d)
-                      for b, d, value in zip(buffers, buffer_seq_dims, values)]
-            self._seq_lengths = {b.shape[d]: s.shape[d] for b, s, d in zip(buffers, shards, buffer_seq_dims)}
-            if self._padding is not None:
-                self._seq_lengths[self._padding.padded] = shards[0].shape[buffer_seq_dims[0]]
-            self.context_entries += 1
-            self.step_local_length = shards[0].shape[buffer_seq_dims[0]] if shards else None
-            for buffer, local in zip(buffers, shards):
-                keep = not any(buffer is t for t in no_restore)
-                originals.append(_alias(buffer) if keep and local is not buffer else None)
-                if local is not buffer:
-                    buffer.set_(local)
+        step = Step(self.split, group=self.seq_group, seq_len=seq_len, documents=documents)
+        self._log_balance(step)
+        step.enter(buffers, seq_dims=list(buffer_seq_dims), no_restore=no_restore,
+                   pad_values=None if pad_values is None else list(pad_values))
+        self.last_step = step
         try:
-            with self._routing(self._documents):
-                yield
+            with self._routing(step, step.documents):
+                yield step
         finally:
-            self._seq_lengths = {}
-            with torch.no_grad():
-                for buffer, original in zip(buffers, originals):
-                    if original is not None:
-                        buffer.set_(original)
-
-    def _padded(self, buffer: torch.Tensor, *, seq_dim: int, value: padding.PadValue) -> torch.Tensor:
-        if self._padding is None or buffer.shape[seq_dim] != self._padding.length:
-            return buffer  # nothing to append (a buffer of another length is checked by shard)
-        return padding.pad(buffer, seq_dim=seq_dim, padding=self._padding, value=value)
+            step.exit()
 
     def require_ignored_tail(self, labels: torch.Tensor, *, ignore_index: int = -100, what: str) -> None:
-        """The appended tokens' labels must be ignored, or `what` would count them (on every CP rank together)."""
-        appended = self.appended_in_shard(labels.shape[-1], device=labels.device)
+        """The appended tokens' labels must be ignored, or `what` would count them (on every CP rank together).
+        After the context, labels that may be the latest step's are checked against its padding."""
+        step = self._result_of(labels, -1) or self._now()
+        appended = step.appended_in_shard(labels.shape[-1], device=labels.device)
         if appended is None:
             return
         counted = bool((labels[..., appended] != ignore_index).any())
         self.raise_together(
-            f"{what} counts the tokens appended at the end ({self._padding.describe()} to split over the CP "
+            f"{what} counts the tokens appended at the end ({step.padding.describe()} to split over the CP "
             f"ranks): their labels are not {ignore_index}; build labels that end with {ignore_index} "
             "(cpctl.shift_labels), pass pad_values with -100 for them, or make the length a multiple of "
-            f"{self.layout.num_chunks}" if counted else None)
+            f"{step.layout.num_chunks}" if counted else None)
 
-    def _place(self, documents: torch.Tensor | None, *, seq_len: int) -> None:
-        """This step's layout and documents: head-tail, or by cost when documents are packed."""
-        self._step_layout, self._documents, self.cp_balance = None, None, None
-        if documents is None:
+    def _log_balance(self, step: Step) -> None:
+        """How packed documents are spread: once at INFO (the run's log says it), then per step at DEBUG."""
+        placed = step.placement
+        if placed is None or not self.is_main:
             return
-        self._documents = packing.documents_or_none(packing.starts_per_row(documents))
-        if self._documents is None or not self.config.parallelism.cp_load_balance or self.cp_size == 1:
-            return
-        self.layout.check_length(seq_len)
-        placed = packing.place(self._documents, seq_len=seq_len, cp_size=self.cp_size, cp_rank=self.cp_rank,
-                               pieces=self.sp_size)
-        self._step_layout, self.cp_balance = placed.layout, placed.balance
-        if self.is_main:
-            # once at INFO (the run's log says how its documents are spread), then per step at DEBUG
-            level = logging.DEBUG if self._balance_logged else logging.INFO
-            self._balance_logged = True
-            _log.log(level, "packed documents: %d chunks per rank assigned by cost; attention work max/mean %.3f "
-                     "(head-tail chunks: %.3f)", len(placed.layout.local_chunks), placed.balance,
-                     placed.head_tail_balance)
+        level = logging.DEBUG if self._balance_logged else logging.INFO
+        self._balance_logged = True
+        _log.log(level, "packed documents: %d chunks per rank assigned by cost; attention work max/mean %.3f "
+                 "(head-tail chunks: %.3f)", len(placed.layout.local_chunks), placed.balance, placed.head_tail_balance)
 
     def _check_same_inputs(self, buffers: list[torch.Tensor]) -> None:
         """Every rank of a CP group must hold the same full buffers: compare cheap fingerprints."""
@@ -597,10 +584,11 @@ class Runtime:
         for name, tensor in (("labels", labels), ("position_ids", position_ids)):
             self.require_sharded(tensor, name=f"document_mean's {name}", seq_dim=1)
         self.require_ignored_tail(labels, ignore_index=ignore_index, what="rt.document_mean's loss")
-        full_positions = self.unshard(position_ids, seq_dim=1)
+        step = self._step_of(position_ids, 1, what="rt.document_mean")
+        full_positions = step.unshard(position_ids, seq_dim=1)
         positions = torch.arange(full_positions.shape[1], device=labels.device).expand_as(full_positions)
         return losses.document_mean(token_losses, labels, starts=packing.starts_per_row(full_positions),
-                                    token_positions=self.shard(positions, seq_dim=1), cp=self.axes["cp_sp"],
+                                    token_positions=step.shard(positions, seq_dim=1), cp=self.axes["cp_sp"],
                                     dp=self.axes["dp"], dp_cp=self.axes["dp_cp"], ignore_index=ignore_index)
 
 
@@ -623,11 +611,6 @@ def _same_documents(a: list, b: list) -> bool:
     """Per-row document starts, one row standing for every row of the batch."""
     rows = max(len(a), len(b))
     return (a * rows if len(a) == 1 else a) == (b * rows if len(b) == 1 else b)
-
-
-def _alias(tensor: torch.Tensor) -> torch.Tensor:
-    """A second handle on `tensor`'s current storage and shape, to put back after set_()."""
-    return tensor.new_empty(0).set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
 
 
 # ---------------------------------------------------------------------- init

@@ -215,6 +215,50 @@ def case_shard_unshard(rt: Runtime) -> dict:
     }
 
 
+def case_step_state(rt: Runtime) -> dict:
+    """A step's layout, padding and documents are the step's: after its context (left normally or
+    by an error) shards, gathers and the layout are the plain ones again, and the step it yielded
+    still gathers its own results."""
+    def tokens(n: int) -> torch.Tensor:
+        return torch.arange(n).view(1, n)
+
+    plain = rt.shard(tokens(32), 1).tolist()
+    pos = cpctl.position_ids_for_documents([[25, 3, 2, 2]])  # long-tailed: placed by cost, not head-tail
+    ids = tokens(32)
+    with rt.maybe_context_parallel(buffers=[ids, pos], buffer_seq_dims=[1, 1], no_restore_buffers={pos},
+                                   documents=pos.clone()) as step:
+        inside = {"shard": rt.shard(tokens(32), 1).tolist(), "active": rt.cp_active}
+        result = ids * 2  # a result of the step, sharded as the step placed its tokens
+    after = {"shard": rt.shard(tokens(32), 1).tolist(), "active": rt.cp_active, "balance": rt.cp_balance,
+             "local_chunks": list(rt.layout.local_chunks), "ids_restored": ids.tolist() == tokens(32).tolist(),
+             "step_unshard": None if step is None else step.unshard(result, seq_dim=1).tolist(),
+             "rt_unshard": error_of(lambda: rt.unshard(result, 1)),
+             "rt_shift_sharded": error_of(lambda: rt.shift_sharded(result))}
+    # 30 tokens are padded to 32; the body fails: everything the step set goes with it.
+    ids = tokens(30)
+
+    def failing() -> None:
+        with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1],
+                                       documents=cpctl.position_ids_for_documents([[25, 5]])):
+            raise RuntimeError("the body failed")
+
+    raised = error_of(failing)
+    after_error = {"raised": raised["message"], "padding": None if rt.padding is None else rt.padding.describe(),
+                   "active": rt.cp_active, "shard": rt.shard(tokens(32), 1).tolist(),
+                   "ids_restored": ids.tolist() == tokens(30).tolist(), "appended": rt.appended_in_shard(16) is not None}
+    # Labels kept sharded after a padded step are still checked against the tokens it appended.
+    labels = tokens(30)  # no -100 anywhere: the appended labels repeat the last one
+    with rt.maybe_context_parallel(buffers=[labels], buffer_seq_dims=[1], no_restore_buffers={labels}):
+        pass
+    counted_tail = error_of(lambda: rt.token_mean(torch.tensor(1.0), labels))
+    # A plain step's results are gathered by rt.unshard after the context, as ever.
+    ids = tokens(32)
+    with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1]):
+        result = ids * 3
+    return {"plain": plain, "inside": inside, "after": after, "after_error": after_error,
+            "counted_tail": counted_tail, "plain_step_unshard": rt.unshard(result, 1).tolist()}
+
+
 def case_functional_attention(rt: Runtime) -> dict:
     """rt.attention on rt.shard-ed q/k/v = the shards of full SDPA, forward and backward."""
     results = {}
@@ -445,7 +489,7 @@ def case_misuse_single(rt: Runtime) -> dict:
 
 
 CP_CASES = [case_attributes, case_bad_inputs, case_causal_mask_accepted, case_buffers, case_shard_unshard,
-            case_functional_attention, case_model_in_context, case_token_mean, case_fsdp_gradients,
+            case_step_state, case_functional_attention, case_model_in_context, case_token_mean, case_fsdp_gradients,
             case_two_groups, case_dataloader, case_multihead_attention, case_misuse]
 SINGLE_CASES = [case_attributes, case_single_process, case_shard_unshard, case_token_mean, case_misuse_single]
 

@@ -1,0 +1,64 @@
+"""The runtime as the Hugging Face integration sees it: exactly the members it uses.
+
+The runtime imports the integrations (it prepares a transformers model itself), so they name
+its type through this Protocol instead of importing it: `cpctl.runtime.runtime.Runtime`
+satisfies it, and nothing here imports upward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from cpctl.config import Profile
+    from cpctl.runtime.padding import EndPadding
+
+
+class RuntimeView(Protocol):
+    """What huggingface.py and hf_padding.py call on the runtime handed to them."""
+
+    config: Profile
+    device: torch.device
+    axes: Mapping[str, DeviceMesh]
+    caller_counts_tokens: bool  # inside rt.caller_counts_loss_tokens()
+    attention_calls: int  # calls of the CP engine so far
+
+    @property
+    def sp_size(self) -> int: ...
+
+    @property
+    def seq_size(self) -> int: ...
+
+    @property
+    def seq_group(self) -> dist.ProcessGroup: ...
+
+    @property
+    def cp_active(self) -> bool: ...
+
+    @property
+    def padding(self) -> EndPadding | None: ...
+
+    def shard(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor: ...
+
+    def gather_padded(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor: ...
+
+    def appended_in_shard(self, local_len: int, *, device: torch.device | None = None) -> torch.Tensor | None: ...
+
+    def hide_tail(self, reason: str) -> None: ...
+
+    def require_sharded(self, tensor: torch.Tensor | None, *, name: str, seq_dim: int) -> None: ...
+
+    def adopt_position_ids(self, position_ids: torch.Tensor) -> None: ...
+
+    def step_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor: ...
+
+    def shift_sharded(self, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor: ...
+
+    def reduce_over_dp_cp(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def token_mean(self, loss_sum: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor: ...
