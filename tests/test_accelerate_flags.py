@@ -55,14 +55,16 @@ def test_accelerates_sequence_parallelism_is_cpctls_ulysses(script: Path) -> Non
                         "--parallelism_config_cp_size", "2", "--parallelism_config_sp_backend", "deepspeed",
                         "--parallelism_config_sp_seq_length", "4096", "--parallelism_config_sp_attn_implementation", "sdpa")
     assert rows["parallelism.sp_size"] == ["2", "flag --parallelism-config-sp-size"]
-    assert rows["attention"] == ["sdpa", "flag --parallelism-config-sp-attn-implementation"]
+    assert "attention" not in rows
+    assert "--parallelism-config-sp-attn-implementation: sdpa: how cpctl computes attention" in out
     assert "--parallelism-config-sp-seq-length: what DeepSpeed's Ulysses needs to know in advance" in out
     assert "--parallelism-config-sp-backend: deepspeed: accelerate's only backend for sp" in out
     assert_one_line_error(cpctl("launch", "--dry-run", "--cpu", "--parallelism_config_sp_backend", "ring", "train.py"),
                           "flag --parallelism-config-sp-backend: 'ring' is not allowed; expected deepspeed")
     assert_one_line_error(cpctl("launch", "--dry-run", "--cpu", "--num_processes", "2", "--parallelism_config_sp_size",
                                 "2", "--parallelism_config_sp_attn_implementation", "flash_attention_2", "train.py"),
-                          "Ulysses sequence parallelism needs attention: sdpa")
+                          "flag --parallelism-config-sp-attn-implementation: 'flash_attention_2' is not allowed; "
+                          "expected sdpa")
 
 
 def test_dashes_and_equals_too(script: Path) -> None:

@@ -122,7 +122,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
     expected = {
         "--dp-replicate-size", "--dp-shard-size", "--cp-size", "--sp-size", "--tp-size", "--cp-comm-strategy",
         "--cp-load-balance", "--fsdp-version", "--reshard-after-forward", "--mixed-precision",
-        "--activation-checkpointing", "--attention", "--device", "--nnodes", "--nproc-per-node",
+        "--activation-checkpointing", "--device", "--nnodes", "--nproc-per-node",
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
         "--selective-blocks",
         "--tiled-mlp-tokens", "--tiled-norm-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine", "--model",
@@ -160,7 +160,6 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
         (["--nproc-per-node", "8", "--cp-size", "2", "--dp-shard-size", "2"],
          ["dp_replicate(1) * dp_shard(2) * cp(2) * tp(1) = 4 != world size 8", "set dp_shard_size: 4"]),
         (["--cp-size", "2", "--fsdp-version", "1"], ["context parallelism needs fsdp.version: 2"]),
-        (["--cp-size", "2", "--attention", "eager"], ["context parallelism needs attention: sdpa"]),
         (["--nnodes", "2"], ["pass --rdzv-endpoint HOST:PORT"]),
         (["--profile", "cpu-tri"], ["no such profile; did you mean cpu-try?"]),
         (["--cp-sise", "2"], ["--cp-sise: unknown option; did you mean --cp-size?"]),
@@ -209,10 +208,10 @@ def test_one_gpu_is_one_gpu(script: Path) -> None:
         ("parallelism:\n  cp_size: [2\n", ["broken YAML (line 3, column 1)"]),
         ("parallelism: {cp_comm_strategy: ring}\n", ["parallelism.cp_comm_strategy: 'ring' is not allowed"]),
         ("parallelism: {cp_size: 2}\nfsdp: {version: 1}\n", ["fsdp.version: 1 with cp_size 2"]),
-        ("parallelism: {cp_size: 2}\nattention: flash_attention_2\n", ["attention: flash_attention_2 with cp_size 2"]),
+        ("parallelism: {cp_size: 2}\nattention: flash_attention_2\n", ["attention: flash_attention_2: a retired key", "delete the line"]),
         ("version: 3\n", ["version: 3 is not allowed; expected 1"]),
     ],
-    ids=["unknown-key", "wrong-type", "broken-yaml", "bad-strategy", "cp-fsdp1", "cp-not-sdpa", "version"],
+    ids=["unknown-key", "wrong-type", "broken-yaml", "bad-strategy", "cp-fsdp1", "retired-attention", "version"],
 )
 def test_bad_profile_files(script: Path, text: str, fragments: list[str]) -> None:
     bad = write(script.parent / "bad.yaml", text)
@@ -275,6 +274,8 @@ def test_dry_run_shows_profile_sources_mesh_and_command(script: Path) -> None:
     rows = table_rows(out)
     assert rows["parallelism.cp_size"] == ["2", "flag --cp-size"]
     assert rows["parallelism.cp_comm_strategy"] == ["alltoall", "env CPCTL_CP_COMM_STRATEGY"]
+    # "alltoall" is PyTorch's name; what it does is said, so it is not taken for Ulysses' all-to-all
+    assert "K/V across cp: ring rotation: K/V blocks pass around the CP ranks" in out and "Heads across sp" not in out
     assert rows["parallelism.dp_shard_size"] == ["2", "auto (world 4 / 2)"]
     assert rows["parallelism.tp_size"] == ["1", "default"]
     # mesh: rank -> node, local rank, dp_replicate, dp_shard, cp, sp, tp

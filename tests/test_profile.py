@@ -246,9 +246,18 @@ def test_cp_needs_fsdp2(tmp_path: Path) -> None:
     assert resolve_apart(tmp_path, flags={"fsdp.version": "1"}).profile.fsdp.version == 1  # fine without CP
 
 
-def test_cp_needs_sdpa(tmp_path: Path) -> None:
-    message = error_of(tmp_path, flags={"parallelism.cp_size": "2", "attention": "eager"})
-    assert message == "attention: eager with cp_size 2; context parallelism needs attention: sdpa"
+def test_the_retired_attention_key(tmp_path: Path) -> None:
+    """`attention` did nothing but refuse values other than sdpa: a profile saying sdpa still reads,
+    another value is one line that says to delete it, and no flag or variable sets it any more."""
+    path = tmp_path / "old.yaml"
+    path.write_text("parallelism:\n  cp_size: 2\nattention: sdpa\n")
+    resolved = resolve_apart(tmp_path, config=str(path), flags={"launch.nproc_per_node": "2"})
+    assert resolved.profile.parallelism.cp_size == 2 and not hasattr(resolved.profile, "attention")
+    path.write_text("attention: eager\n")
+    message = error_of(tmp_path, config=str(path))
+    assert message == (f"{path}: attention: eager: a retired key; cpctl computes attention through SDPA at every cp "
+                       "and sp size (a Hugging Face model needs attn_implementation='sdpa'); delete the line")
+    assert "attention" not in P.KEYS
 
 
 def test_too_few_gpus(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from cpctl.attention.sharding import ChunkLayout
 from cpctl.attention.spec import AttentionSpec, Strategy
 from cpctl.errors import CpctlError
 
-STRATEGIES = {Strategy.ALLGATHER: allgather, Strategy.ALLTOALL: ring}
+STRATEGIES = {Strategy.ALLGATHER: allgather, Strategy.RING: ring}
 
 
 class _ContextParallelAttention(torch.autograd.Function):

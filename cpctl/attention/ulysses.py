@@ -217,7 +217,7 @@ def ulysses_attention(
         out = _LocalAttention.apply(q, k, v, bool(is_causal), scale)
     else:
         # The ring over cp (at cp 1: the blocks of the whole sequence, no transfer) on these heads.
-        strategy = strategy if dist.get_world_size(cp_group) > 1 else Strategy.ALLTOALL
+        strategy = strategy if dist.get_world_size(cp_group) > 1 else Strategy.RING
         out = context_parallel_attention(q, k, v, group=cp_group, layout=ring_layout, strategy=strategy,
                                          is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                                          window=window, chunk=chunk, documents=documents)

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from cpctl.config.schema import BY_NAME, KEYS, SECTIONS, Flat, Key, flatten, shown
+from cpctl.config.schema import BY_NAME, KEYS, RETIRED, SECTIONS, Flat, Key, flatten, shown
 from cpctl.errors import CpctlError
 
 # The environment variable that carries the resolved profile from `cpctl launch` to workers.
@@ -59,9 +59,14 @@ def tree_layer(tree: Any, source: str) -> Layer:
             for sub in value or {}:
                 if sub not in known:
                     raise CpctlError(f"{source}: {name}.{shown(sub)[1:-1]}: unknown key{suggest(str(sub)[:40], known)}")
+        elif name in RETIRED:
+            accepted, why = RETIRED[name]
+            if value != accepted:
+                raise CpctlError(f"{source}: {name}: {value}: a retired key; {why}")
         elif name not in KEYS:
             raise CpctlError(f"{source}: {shown(name)[1:-1]}: unknown key{suggest(str(name)[:40], list(KEYS) + list(SECTIONS))}")
-    values = flatten({name: value for name, value in tree.items() if not (name in SECTIONS and value is None)})
+    values = flatten({name: value for name, value in tree.items()
+                      if not (name in SECTIONS and value is None) and name not in RETIRED})
     for path, value in values.items():
         if not KEYS[path].check(value):
             raise CpctlError(f"{source}: {path}: {shown(value)} is not allowed; expected {KEYS[path].allowed}")

@@ -202,13 +202,6 @@ def _cp_needs_fsdp2(v: Mapping[str, Any], machine: Machine | None) -> str | None
     return None
 
 
-def _cp_needs_sdpa(v: Mapping[str, Any], machine: Machine | None) -> str | None:
-    cp, attention = v["parallelism.cp_size"], v["attention"]
-    if cp > 1 and attention != "sdpa":
-        return f"attention: {attention} with cp_size {cp}; context parallelism needs attention: sdpa"
-    return None
-
-
 def _sp_auto_needs_model(v: Mapping[str, Any], machine: Machine | None) -> str | None:
     if v["parallelism.sp_size"] == AUTO and v["model"] is None:
         return ("parallelism.sp_size: auto splits each sequence's ranks into Ulysses x ring from the model's attention "
@@ -216,14 +209,12 @@ def _sp_auto_needs_model(v: Mapping[str, Any], machine: Machine | None) -> str |
     return None
 
 
-def _sp_needs_fsdp2_and_sdpa(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+def _sp_needs_fsdp2(v: Mapping[str, Any], machine: Machine | None) -> str | None:
     sp = v["parallelism.sp_size"]
     if sp == AUTO:
         return None
     if sp > 1 and v["fsdp.version"] != 2:
         return f"fsdp.version: {v['fsdp.version']} with sp_size {sp}; Ulysses sequence parallelism needs fsdp.version: 2"
-    if sp > 1 and v["attention"] != "sdpa":
-        return f"attention: {v['attention']} with sp_size {sp}; Ulysses sequence parallelism needs attention: sdpa"
     return None
 
 
@@ -316,9 +307,8 @@ RULES = (
     Rule(("launch.device", "launch.nproc_per_node"), _gpus_visible, needs_machine=True),
     Rule(("launch.nnodes", "launch.nproc_per_node"), _sizes_fit_world, also_reads=tuple(AXES)),
     Rule(("parallelism.cp_size", "fsdp.version"), _cp_needs_fsdp2),
-    Rule(("parallelism.cp_size", "attention"), _cp_needs_sdpa),
     Rule(("parallelism.sp_size", "model"), _sp_auto_needs_model),
-    Rule(("parallelism.sp_size", "fsdp.version", "attention"), _sp_needs_fsdp2_and_sdpa),
+    Rule(("parallelism.sp_size", "fsdp.version"), _sp_needs_fsdp2),
     Rule(("launch.node_rank", "launch.nnodes"), _node_rank_in_range),
     Rule(("launch.nnodes", "launch.rdzv_endpoint"), _nodes_need_rendezvous),
     Rule(("launch.device", "memory.offload_activations", "memory.cpu_offload"), _offload_needs_gpus),

@@ -57,7 +57,8 @@ ALIASES: tuple[Alias, ...] = (
     Alias("--parallelism-config-cp-comm-strategy", "parallelism.cp_comm_strategy"),
     Alias("--parallelism-config-sp-size", "parallelism.sp_size", meaning="sets parallelism.sp_size, as --sp-size does: "
           "accelerate's DeepSpeed Ulysses becomes cpctl's, on FSDP2"),
-    Alias("--parallelism-config-sp-attn-implementation", "attention"),
+    Alias("--parallelism-config-sp-attn-implementation", None, allowed=("sdpa",),
+          meaning="sdpa: how cpctl computes attention at every cp and sp size"),
     Alias(NUM_PROCESSES, "launch.nproc_per_node", meaning="the processes of all machines together: "
           "nproc_per_node = N / machines"),
     Alias("--num-machines", "launch.nnodes"),

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from cpctl.config.layers import PROFILE_ENV_VAR
 from cpctl.config.schema import FIT
+from cpctl.strategy import Strategy
 from cpctl.launch.accelerate_env import accelerate_env
 
 if TYPE_CHECKING:
@@ -237,6 +238,12 @@ def print_launch_plan(plan: LaunchPlan, *, target: str, problem_here: str | None
     world, nproc = profile.world_size, profile.launch.nproc_per_node
     out.print()
     out.print(f"[bold]Mesh layout[/]: {escape(describe(resolved))}", soft_wrap=True)
+    if profile.parallelism.cp_size > 1:
+        strategy = Strategy.parse(profile.parallelism.cp_comm_strategy)
+        out.print(f"K/V across cp: {strategy.what} (cp_comm_strategy {strategy.value})", soft_wrap=True)
+    if profile.parallelism.sp_size > 1:
+        out.print(f"Heads across sp: Ulysses, an all-to-all of q, k, v over the {profile.parallelism.sp_size} sp ranks "
+                  "before attention, and of its output after", soft_wrap=True)
     mesh = Table(show_edge=False)
     for column in ("rank", "node", "local rank", *MESH_AXES):
         mesh.add_column(column, justify="right")

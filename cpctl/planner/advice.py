@@ -35,7 +35,7 @@ def _options_to_try(setup: Setup, *, available: frozenset[str]) -> list[tuple[st
     if not setup.reshard_after_forward:
         options.append(("--reshard-after-forward true", {"reshard_after_forward": True}, False))
     if setup.cp > 1 and setup.strategy == "allgather":
-        options.append(("--cp-comm-strategy alltoall", {"strategy": "alltoall"}, False))
+        options.append(("--cp-comm-strategy alltoall (the ring rotation)", {"strategy": "alltoall"}, False))
     if "selective_blocks" in available and setup.activation_checkpointing and setup.checkpoint_level == "selective":
         options.append(("--checkpoint-level mixed", {"checkpoint_level": "mixed", "selective_blocks": None}, False))
     if "checkpoint_level" in available and setup.activation_checkpointing and setup.checkpoint_level != "full":
@@ -106,7 +106,7 @@ def suggestions(base: Estimate, *, available: frozenset[str] = frozenset()) -> l
 
 def option_names(changes: Mapping[str, Any]) -> list[str]:
     names = {"activation_checkpointing": "checkpointing", "chunked_loss": "chunked loss",
-             "reshard_after_forward": "resharding", "strategy": "alltoall", "tiled_mlp_tokens": "tiled MLP",
+             "reshard_after_forward": "resharding", "strategy": "ring rotation", "tiled_mlp_tokens": "tiled MLP",
              "tiled_norm_tokens": "tiled norms",
              "offload_activations": "activation offload", "cpu_offload": "CPU offload",
              "checkpoint_level": "mixed checkpointing"}

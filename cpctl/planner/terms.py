@@ -220,7 +220,7 @@ def attention_working_set(z: Sizes) -> Term:
     """In the first block's backward: its recomputed attention tensors (with checkpointing);
     in attention's own backward also dout, dq, dk, dv, an fp32 dq accumulator and the residual
     gradient, plus the K/V that CP moves: the whole sequence's K/V and a gradient buffer of
-    that size (allgather), or two K/V blocks and their gradients in flight (alltoall)."""
+    that size (allgather), or two K/V blocks and their gradients in flight (alltoall: the ring rotation)."""
     model, tp, tokens = z.model, z.setup.tp, z.local_tokens
     # The selective level recomputes the norm only: attention's own tensors are in `activations`.
     # (the first block backward reaches, the last layer, is a selective one if any is)
