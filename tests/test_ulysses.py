@@ -21,6 +21,7 @@ from ulysses_cases import LAYOUTS, cases
 WORKER = REPO / "tests" / "workers" / "ulysses_cases.py"
 WORLD = 4
 TOLERANCE = 1e-5
+BF16_TOLERANCE = 2e-2  # relative to the largest value: a few bf16 roundings (2**-8 each)
 TIMEOUT = 600
 OPTIONS = ("window", "chunk", "v_dim", "dtype", "documents")
 
@@ -71,7 +72,9 @@ def test_the_worker_ran_every_case(records) -> None:
 def test_matches_single_process_sdpa(records, cp: int, sp: int, case: dict) -> None:
     errors = records[case_id(cp, sp, case)]["errors"]
     assert sorted(errors) == ["dk", "dq", "dv", "out"]
-    assert all(error <= TOLERANCE for error in errors.values()), errors
+    # under autocast attention computes in bf16: its rounding against the fp32 reference, relative
+    tolerance = BF16_TOLERANCE if case.get("dtype") == "autocast" else TOLERANCE
+    assert all(error <= tolerance for error in errors.values()), errors
 
 
 PLAIN = [(cp, sp, case) for cp, sp, case in ALL

@@ -50,16 +50,20 @@ def _document_rows(documents, *, batch: int) -> list[tuple[int, ...] | None]:
     return rows * batch if len(rows) == 1 else rows
 
 
-def _as_autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _as_autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Under autocast SDPA computes in the autocast dtype (q from RoPE may be fp32, v bf16): so does CP attention."""
     device = q.device.type
     if not torch.is_autocast_enabled(device):
         return q, k, v
     dtype = torch.get_autocast_dtype(device)
-    return tuple(t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
+    q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))  # others are refused by the check
+    return q, k, v
 
 
-def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: ChunkLayout, enable_gqa: bool) -> None:
+def checked_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: ChunkLayout,
+                   enable_gqa: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v in the dtype attention computes in (autocast's, as SDPA's), once checked to fit together."""
+    q, k, v = _as_autocast(q, k, v)
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise CpctlError(
             f"CP attention takes (batch, heads, seq, head_dim) tensors; got q {tuple(q.shape)}, "
@@ -83,6 +87,7 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout: C
     layout.check_length(q.shape[2] * layout.cp_size, what="sequence length (local x cp_size)")
     if not (q.dtype == k.dtype == v.dtype) or not q.dtype.is_floating_point:
         raise CpctlError(f"CP attention needs q, k, v of one floating dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    return q, k, v
 
 
 def context_parallel_attention(
@@ -107,8 +112,7 @@ def context_parallel_attention(
     not computed and masked.
     """
     strategy = Strategy.parse(strategy)
-    q, k, v = _as_autocast(q, k, v)
-    check_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)
+    q, k, v = checked_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)
     rows = _document_rows(documents, batch=q.shape[0])
     if len(set(rows)) > 1:  # rows packed differently: each its own plan
         return torch.cat([

@@ -128,30 +128,20 @@ def _described(tensors: Sequence[torch.Tensor]) -> list[tuple]:
     return [(t.shape, t.dtype, t.device) for t in tensors]
 
 
-class _HeadsToTokens(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """One of the two all-to-alls (`to_heads`: tokens -> heads, else back); the backward of each is the other."""
+
     @staticmethod
-    def forward(ctx, group, *tensors):
-        ctx.group = group
-        outputs = _heads_to_tokens(tensors, group)
+    def forward(ctx, group, to_heads: bool, *tensors):
+        ctx.group, ctx.to_heads = group, to_heads
+        outputs = (_heads_to_tokens if to_heads else _tokens_to_heads)(tensors, group)
         ctx.like = _described(outputs)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, *_tokens_to_heads(_grads(grads, ctx.like), ctx.group))
-
-
-class _TokensToHeads(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, *tensors):
-        ctx.group = group
-        outputs = _tokens_to_heads(tensors, group)
-        ctx.like = _described(outputs)
-        return tuple(outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, *_heads_to_tokens(_grads(grads, ctx.like), ctx.group))
+        inverse = _tokens_to_heads if ctx.to_heads else _heads_to_tokens
+        return (None, None, *inverse(_grads(grads, ctx.like), ctx.group))
 
 
 # ----------------------------------------------------------------------------- whole-sequence attention
@@ -202,15 +192,15 @@ def ulysses_attention(
     `ring_layout` is the cp rank's layout (which chunks the ring sees); options as
     `context_parallel_attention`.
     """
-    from cpctl.attention.engine import check_inputs, context_parallel_attention
+    from cpctl.attention.engine import checked_inputs, context_parallel_attention
 
     sp = dist.get_world_size(sp_group)
     layout = sequence_layout(ring_layout, sp_size=sp, sp_rank=dist.get_rank(sp_group))
-    check_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)
+    q, k, v = checked_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)  # autocast's dtype, as the ring's
     copies = kv_copies(q_heads=q.shape[1], kv_heads=k.shape[1], sp_size=sp)
     if copies > 1:  # fewer K/V heads than sp ranks can split: each is repeated, exactly
         k, v = (t.repeat_interleave(copies, dim=1) for t in (k, v))
-    q, k, v = _HeadsToTokens.apply(sp_group, q, k, v)
+    q, k, v = _AllToAll.apply(sp_group, True, q, k, v)
     plain = window is None and chunk is None and all(row is None or tuple(row) == (0,) for row in documents or ())
     if dist.get_world_size(cp_group) == 1 and plain and q.shape[-1] == v.shape[-1]:
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
@@ -221,5 +211,5 @@ def ulysses_attention(
         out = context_parallel_attention(q, k, v, group=cp_group, layout=ring_layout, strategy=strategy,
                                          is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
                                          window=window, chunk=chunk, documents=documents)
-    (out,) = _TokensToHeads.apply(sp_group, out)
+    (out,) = _AllToAll.apply(sp_group, False, out)
     return out
