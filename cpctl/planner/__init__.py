@@ -4,9 +4,10 @@ Pure arithmetic over a Llama-shaped decoder (no torch): each term of the memory 
 function in `terms.py`, in bytes per GPU, at each of the moments of a step where the peak
 can fall:
 
-* `loss`: the end of the forward, while the loss is differentiated. With full logits this is
-  nearly always the peak: every block's checkpoint is alive and so are the logits, their fp32
-  log-softmax and two fp32 gradients of that size.
+* `loss`: the end of the forward, while the loss is differentiated, and the final norm's backward
+  after it. With full logits this is nearly always the peak: every block's checkpoint is alive
+  and so are the logits, their fp32 log-softmax and two fp32 gradients of that size. With the
+  loss chunked and the blocks' norms in tiles, the final norm's fp32 backward can be the peak.
 * `mlp_backward` / `attention_backward`: the first block's backward (the last layer), after
   its recompute: all checkpoints are still alive, plus the block's own working set, at its
   largest either in the MLP's backward or in attention's (where CP gathers K/V).

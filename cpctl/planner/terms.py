@@ -227,7 +227,9 @@ def attention_working_set(z: Sizes) -> Term:
     kept = selective_kept_per_token(z) if selective_layers(z) else 0
     recomputed = (attention_saved_per_token(z) - kept) * tokens if z.setup.activation_checkpointing else 0
     grads = (z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.q_dim / tp + z.act * model.dim) * tokens
-    # then the block's input norm differentiates in fp32: about 4 tensors of model width (one tile's, tiled)
+    # then the block's input norm differentiates in fp32: RMSNorm's autograd makes 5 temporaries of model
+    # width (grad x rsqrt, the mean's gradient expanded, pow's x^1, 2 x^1 and its product with the gradient;
+    # scripts/memory_trace_cpu.py), counted as 4 as calibrated on the H200 runs; in tiles, one tile's
     norm_backward = 4 * FP32 * model.dim * tokens * _tile_share(z, z.setup.tiled_norm_tokens)
     # K and V that a GPU holds per token it attends for: under Ulysses 1/sp of the (repeated) heads
     kv_per_token = 2 * z.act * model.kv_dim * z.kv_copies / (tp * z.setup.sp)
@@ -263,19 +265,32 @@ def mlp_working_set(z: Sizes) -> Term:
 def loss(z: Sizes) -> Term:
     """Full logits: the logits (bf16, held by the loop until backward ends), their fp32
     log-softmax, its gradient and the fp32 logits' gradient: local tokens x vocab x (2+4+4+4).
-    Chunked: the same for one chunk, plus the head's fp32 gradient and the hidden states' gradient."""
+    Chunked: the same for one chunk, plus the head's fp32 gradient and the hidden states' gradient.
+    Then the final norm's backward (what is left of the loss's, and the norm's fp32 working set):
+    the larger of the two is the moment's."""
     model, tokens = z.model, z.local_tokens
+    final_norm = final_norm_backward_per_token(z) * tokens
+    norm_how = f"; or the final norm's fp32 backward ({final_norm_backward_per_token(z) / model.dim:.0f} B x width)"
     if not z.setup.chunked_loss:
         logits = z.act * model.vocab_size * tokens
         if not z.setup.logits_kept:  # model(labels=...).loss: the output, logits and all, is dropped
-            return Term("loss", _at(3 * FP32 * model.vocab_size * tokens, mlp=0), "logits x (4+4+4) B")
-        at_loss = logits + 3 * FP32 * model.vocab_size * tokens
+            return Term("loss", _at(max(3 * FP32 * model.vocab_size * tokens, final_norm), mlp=0),
+                        "logits x (4+4+4) B" + norm_how)
+        at_loss = logits + max(3 * FP32 * model.vocab_size * tokens, final_norm)
         return Term("loss", _at(at_loss, mlp=logits),
-                    f"logits x ({z.act}+4+4+4) B; the {z.dtype} logits stay until backward ends")
+                    f"logits x ({z.act}+4+4+4) B; the {z.dtype} logits stay until backward ends" + norm_how)
     chunk = min(z.setup.loss_chunk_tokens, tokens)
     at_loss = 4 * FP32 * model.vocab_size * chunk + FP32 * model.vocab_size * model.dim + z.act * model.dim * tokens
-    return Term("loss", _at(at_loss, mlp=0),
-                f"chunks of {chunk} tokens x vocab x 16 B; head's fp32 gradient")
+    return Term("loss", _at(max(at_loss, final_norm), mlp=0),
+                f"chunks of {chunk} tokens x vocab x 16 B; head's fp32 gradient" + norm_how)
+
+
+def final_norm_backward_per_token(z: Sizes) -> float:
+    """Per token, the model's final norm's backward, the first thing after the loss's backward: its
+    fp32 input (back from host memory when offloaded; otherwise counted with the head's inputs in
+    `activations`) and RMSNorm's 5 fp32 temporaries of model width. memory.tiled_norm_tokens tiles
+    only the blocks' norms: this one is whole, and with the blocks' in tiles it can be the peak."""
+    return 5 * FP32 * z.model.dim + (FP32 * z.model.dim if z.setup.offload_activations else 0)
 
 
 def offloaded_per_token(z: Sizes) -> float:
