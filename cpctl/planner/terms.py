@@ -229,8 +229,15 @@ def attention_working_set(z: Sizes) -> Term:
     grads = (z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.q_dim / tp + z.act * model.dim) * tokens
     # then the block's input norm differentiates in fp32: RMSNorm's autograd makes 5 temporaries of model
     # width (grad x rsqrt, the mean's gradient expanded, pow's x^1, 2 x^1 and its product with the gradient;
-    # scripts/memory_trace_cpu.py), counted as 4 as calibrated on the H200 runs; in tiles, one tile's
-    norm_backward = 4 * FP32 * model.dim * tokens * _tile_share(z, z.setup.tiled_norm_tokens)
+    # scripts/memory_trace_cpu.py), counted as 4 as calibrated on the H200 runs.
+    norm_backward = 4 * FP32 * model.dim * tokens
+    # Tiled norms (memory.tiled_norm_tokens) make those temporaries one tile's on CPU, but on the
+    # H200 the moment's peak stayed within 10% of this bound (the Llama-3.2-1B shape at 512k: 51.95
+    # GiB tiled, 57.89 whole; docs/benchmarks/tiled_norms_1b_h200.jsonl): the kernel's backward,
+    # which widens GQA's K/V and their gradients to q's heads (cpctl.attention.kernels.block_backward),
+    # and what else is live then, take about as much. Until that is measured apart, the bound stays:
+    # tiling is credited with the norm's saved copies only (`_block_norm_saved`), what the GPU showed.
+    widened = 4 * z.act * (model.q_dim - model.kv_dim * z.kv_copies) / tp * tokens if z.setup.cp == 1 else 0
     # K and V that a GPU holds per token it attends for: under Ulysses 1/sp of the (repeated) heads
     kv_per_token = 2 * z.act * model.kv_dim * z.kv_copies / (tp * z.setup.sp)
     attended = tokens * z.setup.sp  # the cp rank's tokens: what the ring sees after the all-to-all
@@ -246,8 +253,9 @@ def attention_working_set(z: Sizes) -> Term:
     if exchange:
         how += "; Ulysses: head-layout gradients and all-to-all buffers"
     return Term("attention working set",
-                _at(0, mlp=recomputed, attention=recomputed + grads + moved + exchange + norm_backward),
-                how + "; the norm's fp32 backward" + (" (one tile)" if z.setup.tiled_norm_tokens else ""))
+                _at(0, mlp=recomputed, attention=recomputed + grads + moved + exchange + max(norm_backward, widened)),
+                how + ("; GQA's K/V widened in the kernel's backward" if widened > norm_backward
+                       else "; the norm's fp32 backward"))
 
 
 def mlp_working_set(z: Sizes) -> Term:
