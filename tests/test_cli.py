@@ -161,6 +161,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
          ["dp_replicate(1) * dp_shard(2) * cp(2) * tp(1) = 4 != world size 8", "set dp_shard_size: 4"]),
         (["--cp-size", "2", "--fsdp-version", "1"], ["context parallelism needs fsdp.version: 2"]),
         (["--nnodes", "2"], ["pass --rdzv-endpoint HOST:PORT"]),
+        (["--attention", "sdpa"], ["--attention: unknown option: a retired key", "delete the flag"]),
         (["--profile", "cpu-tri"], ["no such profile; did you mean cpu-try?"]),
         (["--cp-sise", "2"], ["--cp-sise: unknown option; did you mean --cp-size?"]),
         (["--nproc", "2"], ["--nproc: unknown option; did you mean --nproc-per-node?"]),  # an abbreviation
@@ -325,6 +326,14 @@ def test_dry_run_multi_node(script: Path, node_rank: str, hosts: str) -> None:
     assert ("torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=0 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 "
             f"--rdzv-conf=is_host={hosts} --tee=3 -- train.py") in result.stdout
     assert "--standalone" not in result.stdout and "--node-rank" not in result.stdout.split("torchrun")[-1]
+
+
+def test_a_default_node_rank_leaves_the_store_host_to_c10d(script: Path) -> None:
+    # a node rank nobody gave says nothing about which machine is the endpoint: no is_host
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400",
+                   "--nproc-per-node", "2", "--cp-size", "4", "train.py")
+    assert result.exit_code == 0, result.output
+    assert ("--rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 --tee=3 -- train.py") in result.stdout
 
 
 def test_dry_run_under_slurm(script: Path) -> None:

@@ -258,6 +258,9 @@ def test_the_retired_attention_key(tmp_path: Path) -> None:
     assert message == (f"{path}: attention: eager: a retired key; cpctl computes attention through SDPA at every cp "
                        "and sp size (a Hugging Face model needs attn_implementation='sdpa'); delete the line")
     assert "attention" not in P.KEYS
+    assert resolve_apart(tmp_path, environ={"CPCTL_ATTENTION": "sdpa"}).profile.parallelism.cp_size == 1
+    assert error_of(tmp_path, environ={"CPCTL_ATTENTION": "eager"}).startswith(
+        "environment: CPCTL_ATTENTION=eager: a retired key; cpctl computes attention through SDPA")
 
 
 def test_too_few_gpus(tmp_path: Path) -> None:

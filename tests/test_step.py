@@ -137,11 +137,3 @@ def test_at_seq_size_1_a_step_shards_nothing() -> None:
     step.enter([ids], seq_dims=[1], pad_values=None, no_restore=[])
     assert ids.tolist() == [list(range(45))] and step.local_length == 45
     step.exit()
-
-
-def test_unshard_results_gathers_every_tensor_of_the_steps_local_length() -> None:
-    (step,) = steps(cp=1, seq_len=8)
-    step.enter([torch.zeros(1, 8)], seq_dims=[1], pad_values=None, no_restore=[])
-    logits, other = torch.ones(1, 8, 3), torch.ones(1, 5)
-    out = step.unshard_results({"logits": logits, "pair": (logits, other), "n": 3})
-    assert out["logits"] is logits and out["pair"][1] is other and out["n"] == 3

@@ -100,18 +100,25 @@ def test_tiled_norms_are_credited_with_what_the_gpu_showed() -> None:
 
 def test_gqa_widening_in_the_kernel_backward_is_counted() -> None:
     """At cp 1 (and Ulysses over one ring rank) the kernel's backward widens K/V and their gradients
-    to q's heads: 4 tensors of (q_dim - kv_dim); the moment holds it or the norm's backward."""
+    to q's heads: 4 tensors of (q_dim - kv_dim); the moment holds it or the norm's backward, the larger."""
     from cpctl.planner import Sizes
     from cpctl.planner.terms import attention_working_set
 
-    model = PRESETS["llama-3.1-8b"]
-    setup = Setup(activation_checkpointing=True, chunked_loss=True).with_sp(8, 8)
-    sizes = Sizes(model, setup, 1024 * K)
-    widened = 4 * 2 * (model.q_dim - model.kv_dim) * sizes.local_tokens
-    norm = 16 * model.dim * sizes.local_tokens
-    assert norm > widened and "the norm's fp32 backward" in attention_working_set(sizes).how
-    mha = dataclasses.replace(model, n_kv_heads=model.n_heads)  # no GQA: nothing widened
-    assert attention_working_set(Sizes(mha, setup, 1024 * K)).how.endswith("the norm's fp32 backward")
+    setup = Setup(activation_checkpointing=True, chunked_loss=True)
+    llama = PRESETS["llama-3.1-8b"]  # q_dim = dim: the norm's 16 bytes a channel are the larger
+    sizes = Sizes(llama, setup, 64 * K)
+    assert 8 * (llama.q_dim - llama.kv_dim) < 16 * llama.dim
+    assert attention_working_set(sizes).how.endswith("the norm's fp32 backward")
+    wide = dataclasses.replace(llama, n_heads=64, head_dim=256)  # q_dim 16384, 4 x dim: the widening is larger
+    mha = dataclasses.replace(wide, n_kv_heads=64)  # the same q, no GQA: nothing widened
+    wide_term, mha_term = (attention_working_set(Sizes(m, setup, 64 * K)) for m in (wide, mha))
+    assert wide_term.how.endswith("GQA's K/V widened in the kernel's backward")
+    tokens = 64 * K
+    widened = 8 * (wide.q_dim - wide.kv_dim) * tokens
+    norm = 16 * wide.dim * tokens
+    kv_bytes = (2 * 2 * (mha.kv_dim - wide.kv_dim) * 2) * tokens  # mha's larger k, v and their gradients, saved and grads
+    assert mha_term.at["attention_backward"] - wide_term.at["attention_backward"] == pytest.approx(
+        norm - widened + kv_bytes, rel=1e-9)
 
 
 def test_the_8b_shape_with_ulysses_and_every_memory_option() -> None:
@@ -128,3 +135,11 @@ def test_the_8b_shape_with_ulysses_and_every_memory_option() -> None:
     assert 2700 * K < tiled < 2900 * K and 2400 * K < untiled < 2600 * K
     ring = planner.longest_fitting(model, setup.with_cp(8), **memory)
     assert tiled > ring  # Ulysses holds the sequence's K/V for 1/8 of the heads; the ring for all
+
+
+def test_a_layer_given_tokens_without_a_batch_dim_is_refused_in_one_line() -> None:
+    block = nn.Module()
+    block.norm = nn.LayerNorm(4)
+    apply_tiled_norms([block], tile_tokens=2)
+    with pytest.raises(CpctlError, match=r"LayerNorm gets a 2-D tensor \(3, 4\); tiles split \(batch, tokens, width\)"):
+        block.norm(torch.zeros(3, 4))

@@ -70,7 +70,7 @@ def kv_copies(*, q_heads: int, kv_heads: int, sp_size: int) -> int:
 # ----------------------------------------------------------------------------- the all-to-alls
 
 
-def _heads_to_tokens(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+def _to_head_split(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
     """(B, H, n, D) shards of n tokens -> (B, H/sp, sp*n, D): this rank's heads, the group's tokens.
 
     One all-to-all moves every tensor: each rank's part for peer j (heads group j) sits in row j
@@ -96,7 +96,7 @@ def _heads_to_tokens(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) 
     return out
 
 
-def _tokens_to_heads(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
+def _to_token_split(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
     """The inverse: (B, H/sp, sp*n, D) -> (B, H, n, D), every head of this rank's n tokens."""
     sp = dist.get_world_size(group)
     parts = [(t.shape[0], t.shape[2] // sp, t.shape[1], t.shape[3]) for t in tensors]
@@ -134,13 +134,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, to_heads: bool, *tensors):
         ctx.group, ctx.to_heads = group, to_heads
-        outputs = (_heads_to_tokens if to_heads else _tokens_to_heads)(tensors, group)
+        outputs = (_to_head_split if to_heads else _to_token_split)(tensors, group)
         ctx.like = _described(outputs)
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        inverse = _tokens_to_heads if ctx.to_heads else _heads_to_tokens
+        inverse = _to_token_split if ctx.to_heads else _to_head_split
         return (None, None, *inverse(_grads(grads, ctx.like), ctx.group))
 
 

@@ -215,7 +215,13 @@ def env_layer(environ: Mapping[str, str]) -> Layer:
     from cpctl.failure_report import ERROR_DIR_ENV_VAR
 
     internal = {PROFILE_ENV_VAR, ERROR_DIR_ENV_VAR}  # what cpctl launch hands its workers
-    unknown = [name for name in environ if name.startswith("CPCTL_") and name not in by_var and name not in internal]
+    for name, (accepted, why) in RETIRED.items():
+        value = environ.get(f"CPCTL_{name.upper()}")
+        if value is not None and value != accepted:
+            raise CpctlError(f"environment: CPCTL_{name.upper()}={value}: a retired key; {why.replace('the line', 'it')}")
+    retired = {f"CPCTL_{name.upper()}" for name in RETIRED}
+    unknown = [name for name in environ
+               if name.startswith("CPCTL_") and name not in by_var and name not in internal and name not in retired]
     if unknown:
         raise CpctlError(f"environment: {unknown[0]}: unknown variable{suggest(unknown[0], by_var, kind='variables')}")
     return text_layer({by_var[name]: text for name, text in environ.items() if name in by_var},

@@ -24,7 +24,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from cpctl import __version__
-from cpctl.config.schema import KEYS, Key
+from cpctl.config.schema import KEYS, RETIRED, Key
 from cpctl.errors import CpctlError, LaunchError
 from cpctl.launch import views
 from cpctl.launch.failures import machine_host_memory_gib
@@ -180,6 +180,9 @@ def _suggest_flag(text: str) -> str:
     known = [spec.flag for spec in PROFILE_FLAGS] + ["--config", "--profile", "--dry-run", "--module"]
     known += [alias.name for alias in ALIASES if alias.name not in known]
     name = text.split("=")[0]
+    retired = RETIRED.get(name.removeprefix("--").replace("-", "_"))
+    if retired is not None:
+        return f": a retired key; {retired[1].replace('the line', 'the flag')}"
     # an abbreviation (`--nproc`) means the option it starts; else the closest spelling
     started = [flag for flag in known if flag.startswith(name)] if len(name) > 3 else []
     close = started[:1] if len(started) == 1 else difflib.get_close_matches(name, known, n=1, cutoff=0.6)

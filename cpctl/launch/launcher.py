@@ -64,8 +64,10 @@ class LaunchPlan:
         return " ".join([*assignments, "torchrun", shlex.join(self.torchrun_args)])
 
 
-def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], module: bool) -> list[str]:
-    """The torchrun argv for a resolved profile (every value explicit: no torchrun default is relied on)."""
+def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], module: bool,
+                  node_rank_given: bool = True) -> list[str]:
+    """The torchrun argv for a resolved profile (every value explicit: no torchrun default is relied on).
+    `node_rank_given`: the node rank came from a flag, a variable, SLURM or a profile, not the default."""
     launch = profile.launch
     argv = [
         f"--nnodes={launch.nnodes}",
@@ -76,10 +78,12 @@ def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], 
         argv.append("--standalone")  # a private c10d store on a free local port
     else:
         # torchrun honours --node-rank only for its static backend; c10d numbers the machines itself
-        # when they join (sorted by host name). What node_rank decides is which machine hosts the
-        # rendezvous store, c10d's is_host: node_rank 0, so no other one guesses from its host name.
-        hosts = "true" if launch.node_rank == 0 else "false"
-        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}", f"--rdzv-conf=is_host={hosts}"]
+        # when they join (sorted by host name). What a given node_rank decides is which machine hosts
+        # the rendezvous store, c10d's is_host: node_rank 0, so no other one guesses from its host
+        # name. A node rank left at its default says nothing: c10d's own rule (the endpoint's host) then.
+        argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}"]
+        if node_rank_given:
+            argv.append(f"--rdzv-conf=is_host={'true' if launch.node_rank == 0 else 'false'}")
     argv.append(f"--tee={TEE_ALL}")  # tee'd output is what torchrun prefixes with the rank
     # `--` ends torchrun's options: its parser would otherwise read the script's own options
     # (`--log` as an abbreviation of its --log-dir, `--nnodes` as its own).
@@ -124,7 +128,8 @@ def prepare(
         target=target,
         target_args=tuple(target_args),
         module=module,
-        torchrun_args=tuple(torchrun_args(profile, target=target, target_args=target_args, module=module)),
+        torchrun_args=tuple(torchrun_args(profile, target=target, target_args=target_args, module=module,
+                                          node_rank_given=resolved.sources.get("launch.node_rank", "default") != "default")),
         env=worker_env(profile, environ=environ),
     )
 

@@ -9,6 +9,7 @@ from typing import Any
 
 from cpctl.planner.advice import Suggestion, suggestions
 from cpctl.planner.fit import (
+    MAX_GPUS,
     ALLOCATOR_HEADROOM,
     CUDA_OVERHEAD_GIB,
     DEFAULT_GPU_MEMORY_GIB,
@@ -75,8 +76,10 @@ def make_plan(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: 
     layouts = [(gpus, choose_layout(model, seq_ranks=gpus)) for gpus in GPU_COUNTS]
     sp_layouts = [(gpus, lay) for gpus, lay in layouts if lay.sp > 1]
     longest_sp = [(gpus, lay, longest_fitting(model, setup.with_sp(gpus, lay.sp), **memory)) for gpus, lay in sp_layouts]
-    fitting_sp = (estimate(model, setup.with_sp(gpus, lay.sp), seq_len, **memory) for gpus, lay in sp_layouts
-                  if seq_len * setup.batch >= gpus)
+    # the fewest GPUs as sp x cp, searched as far as the ring's (gpus_needed)
+    counts = [2 ** n for n in range(MAX_GPUS.bit_length()) if 2 ** n <= min(MAX_GPUS, seq_len * setup.batch)]
+    searched = ((gpus, choose_layout(model, seq_ranks=gpus)) for gpus in counts)
+    fitting_sp = (estimate(model, setup.with_sp(gpus, lay.sp), seq_len, **memory) for gpus, lay in searched if lay.sp > 1)
     return Plan(
         model=model, estimate=base, longest_sp=longest_sp,
         layout=choose_layout(model, seq_ranks=setup.seq_ranks, ranks_per_node=setup.gpus_per_node, tp=setup.tp),

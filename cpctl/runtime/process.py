@@ -230,7 +230,7 @@ def close_process_group() -> None:
     (accelerate's `end_training`): the same abort would follow its bare destroy."""
     if not dist.is_initialized():
         return
-    if not _FAILED and dist.get_world_size() > 1 and dist.get_backend() == "gloo":
+    if not _FAILED and dist.get_backend() == "gloo":  # at world 1 too: its threads go idle before the destroy
         with contextlib.suppress(RuntimeError):  # a peer that never arrives must not hold this rank
             dist.monitored_barrier(timeout=_EXIT_BARRIER_TIMEOUT)
     dist.destroy_process_group()

@@ -29,9 +29,12 @@ class TiledForward:
         self.forward, self.tile_tokens, self.name, self.key = forward, tile_tokens, name, key
 
     def __call__(self, hidden: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-        if args or kwargs or not isinstance(hidden, torch.Tensor) or hidden.dim() < 3:
+        if args or kwargs or not isinstance(hidden, torch.Tensor):
             raise CpctlError(f"{self.key}: {self.name} takes more than one (batch, tokens, width) tensor; "
                              f"set {self.key}: 0 for this model")
+        if hidden.dim() < 3:
+            raise CpctlError(f"{self.key}: {self.name} gets a {hidden.dim()}-D tensor {tuple(hidden.shape)}; tiles "
+                             f"split (batch, tokens, width) along the tokens; set {self.key}: 0 for this model")
         tiles = hidden.split(self.tile_tokens, dim=1)
         outputs = [checkpoint(self.forward, tile, use_reentrant=False) for tile in tiles]
         if not all(isinstance(out, torch.Tensor) and out.shape[:2] == tile.shape[:2] for out, tile in zip(outputs, tiles)):
