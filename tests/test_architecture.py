@@ -4,6 +4,7 @@
   module level, inside a function (a lazy import is still a dependency), under
   `TYPE_CHECKING` (a type named from above is a dependency too). A package's `__init__` is
   the package: what it imports (its re-exports) the package imports.
+* docs/architecture.md, the map, names every module the package has.
 * The Hugging Face integration sees the runtime through `RuntimeView` only: every member it
   calls on the runtime is declared there, and the Runtime has every member declared there.
 """
@@ -162,3 +163,11 @@ def test_the_hugging_face_integration_sees_the_runtime_through_runtime_view() ->
     assert used == view  # exactly what they use: nothing missing, nothing declared for nobody
     runtime = class_members(REPO / "cpctl" / "runtime" / "runtime.py", "Runtime")
     assert view - runtime == set()  # the Runtime is a RuntimeView
+
+
+def test_the_map_names_every_module() -> None:
+    """A module added without its line on the map (docs/architecture.md) fails here."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    unnamed = [str(path.relative_to(REPO)) for path in sorted((REPO / "cpctl").rglob("*.py"))
+               if path.name not in ("__init__.py", "__main__.py") and path.name not in text]
+    assert unnamed == []
