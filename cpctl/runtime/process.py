@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import datetime
 import gc
+import logging
 import os
 import socket
 import sys
@@ -40,6 +41,7 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "connecti
               "remote process exited", "communicator was aborted")
 
 _FAILED = False  # an exception ended the script: peers may never reach the exit barrier
+_LEAVE_AT_ONCE = False  # ... one other than Ctrl-C: the process exits at once, its groups left as they are
 _EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=30)
 
 
@@ -107,8 +109,9 @@ class _ExceptHook:
         self.torch: Callable[..., object] | None = None  # torch's prefixing wrapper of it
 
     def __call__(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        global _FAILED
+        global _FAILED, _LEAVE_AT_ONCE
         _FAILED = True
+        _LEAVE_AT_ONCE = not issubclass(exc_type, KeyboardInterrupt)  # Ctrl-C ends as Python ends it
         if not os.environ.get(ERROR_DIR_ENV_VAR):  # not under cpctl launch: Python's traceback
             prefixed = _PREFIX_TEMPLATE_ENV_VAR in os.environ or self.torch is None
             (self.original if prefixed else self.torch)(exc_type, exc, tb)
@@ -222,6 +225,16 @@ def _shutdown(on_exit: Callable[[], None]) -> None:
     after destroy_process_group frees the groups FSDP's and the mesh's reference cycles hold.
     """
     on_exit()
+    if _LEAVE_AT_ONCE:
+        # A failed rank leaves now, with Python's exit code for an uncaught exception, without
+        # tearing the process group down: its peers may be mid-collective, and gloo's threads then
+        # abort the process in teardown (SIGABRT, exit 134), which the launcher would report in
+        # place of the error (seen on the 2-core CI machine); NCCL's destroy could wait on them.
+        logging.shutdown()  # what its own exit handler would flush
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(1)
     close_process_group()
 
 
