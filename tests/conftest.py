@@ -49,9 +49,6 @@ def tiny_hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # The full tier only: the rest of each launch matrix, beyond one case per capability (node-id
 # patterns). The quick tier keeps, per capability, the case that exercises it most directly.
 FULL_TIER_ONLY = (
-    # a node alone at a two-node rendezvous, then Ctrl-C: once hung past its 120 s under a loaded CI run
-    # (its SIGINT unanswered); kept in the full tier until that race is found
-    "tests/test_launch.py::test_a_node_waiting_for_the_others_says_so",
     "tests/test_faults.py::test_the_launcher_names_the_root_cause_from_the_reports_workers_wrote",  # 2 workers failing
     "tests/test_engine.py::*[4*",                                   # world 4 (world 2 stays)
     "tests/test_training.py::test_launched_losses_equal_the_single_process_losses[[]c*-*",  # cp2 stays

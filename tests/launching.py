@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -34,12 +35,20 @@ def launch_env(tmp_path: Path) -> dict[str, str]:
 
 def cpctl(*args: str, tmp_path: Path, cwd: Path | None = None, env: dict[str, str] | None = None,
           extra_env: dict[str, str] | None = None, **popen: object) -> subprocess.Popen:
-    """`cpctl launch ARGS` in a subprocess: in `env` (default: launch_env), plus `extra_env`."""
+    """`cpctl launch ARGS` in a subprocess: in `env` (default: launch_env), plus `extra_env`.
+
+    Ctrl-C reaches it as from a terminal even where pytest itself runs with SIGINT ignored (a
+    background job of a non-interactive shell, as CI may start it): a process that starts with
+    SIGINT ignored keeps ignoring it, and a test's SIGINT would then never arrive."""
     return subprocess.Popen(
         [sys.executable, "-m", "cpctl.launch.cli", "launch", *args], cwd=cwd or tmp_path,
         env=(env or launch_env(tmp_path)) | (extra_env or {}), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True, **popen,
+        text=True, preexec_fn=_sigint_as_from_a_terminal, **popen,
     )
+
+
+def _sigint_as_from_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 PROBE = REPO / "tests" / "probe"  # a sitecustomize that records each worker's CP steps
