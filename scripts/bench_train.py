@@ -38,6 +38,7 @@ to find the longest sequence that trains.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -55,6 +56,7 @@ from cpctl import planner
 # The example's model and training step (scripts/llama.py, scripts/train_llama.py), imported
 # from beside this file however it is started.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cuda_memory_report  # noqa: E402
 from llama import PRESETS, Llama  # noqa: E402
 from train_llama import peak_memory_gib, train_step  # noqa: E402
 
@@ -76,6 +78,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--out", default=None)
+    p.add_argument("--memory-report", default=None, metavar="PATH",
+                   help="CUDA: record the allocator's history over the last length's steps and write what is "
+                        "allocated at the peak (scripts/cuda_memory_report.py)")
     args = p.parse_args(argv)
     name = args.model.removeprefix(HF_PREFIX)
     if args.model not in PRESETS and not (args.model.startswith(HF_PREFIX) and name in planner.PRESETS):
@@ -137,21 +142,28 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run_length(rt, bench, optimizer, seq: int, *, warmup: int, steps: int) -> dict:
+def run_length(rt, bench, optimizer, seq: int, *, warmup: int, steps: int, memory_report: str | None = None) -> dict:
     if rt.device.type == "cuda":  # on CPU (a smoke run) the peak is the process's RSS
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+    recording = cuda_memory_report.recording() if memory_report else contextlib.nullcontext()
+    base_bytes = torch.cuda.memory_allocated() if memory_report else 0
     gen = torch.Generator().manual_seed(seq)
     ids = torch.randint(bench.vocab_size, (1, seq), generator=gen)
     times = []
-    for i in range(warmup + steps):
-        dist.barrier()
-        synchronize(rt.device)
-        start = time.perf_counter()
-        bench.step(optimizer, ids.clone())
-        synchronize(rt.device)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
+    with recording:
+        for i in range(warmup + steps):
+            dist.barrier()
+            synchronize(rt.device)
+            start = time.perf_counter()
+            bench.step(optimizer, ids.clone())
+            synchronize(rt.device)
+            if i >= warmup:
+                times.append(time.perf_counter() - start)
+    if memory_report:
+        text = cuda_memory_report.report(torch.cuda.memory._snapshot(), base_bytes=base_bytes)
+        cuda_memory_report.stop_recording()
+        Path(memory_report).with_suffix(f".rank{rt.rank}.txt").write_text(text + "\n")
     step_s = statistics.median(times)
     peak = torch.tensor(peak_memory_gib(rt.device)[1], device=rt.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
@@ -178,6 +190,8 @@ def make_optimizer_state(model, optimizer) -> None:
 def main(argv=None):
     args = parse_args(argv)
     rt = cpctl.init()
+    if args.memory_report and rt.device.type != "cuda":
+        raise SystemExit("--memory-report records the CUDA allocator: run with --device cuda")
     lengths = [(label, args.warmup, args.steps) for label in args.seqs.split(",") if label]
     lengths += [(label, 0, 1) for label in args.probe.split(",") if label]
     name = args.model.removeprefix(HF_PREFIX)
@@ -203,7 +217,9 @@ def main(argv=None):
                       gpu=torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu", torch=torch.__version__,
                       date=time.strftime("%Y-%m-%d"))
         try:
-            record.update(run_length(rt, bench, optimizer, seq, warmup=warmup, steps=steps))
+            last = index == len(lengths) - 1
+            record.update(run_length(rt, bench, optimizer, seq, warmup=warmup, steps=steps,
+                                     memory_report=args.memory_report if last else None))
         except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
             record["error"] = "out of memory"
