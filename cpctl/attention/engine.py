@@ -18,6 +18,7 @@ from cpctl.attention.kernels import seq_major
 from cpctl.attention.masks import Mask
 from cpctl.attention.sharding import ChunkLayout
 from cpctl.attention.spec import AttentionSpec, Strategy
+from cpctl.attention.whole import WholeSequenceAttention
 from cpctl.errors import CpctlError
 
 STRATEGIES = {Strategy.ALLGATHER: allgather, Strategy.RING: ring}
@@ -135,4 +136,6 @@ def context_parallel_attention(
         v = torch.nn.functional.pad(v, (0, qk_dim - v_dim))
     elif v_dim > qk_dim:
         q, k = (torch.nn.functional.pad(t, (0, v_dim - qk_dim)) for t in (q, k))
+    if layout.cp_size == 1 and mask.is_plain and layout.local_chunks == tuple(range(layout.num_chunks)):
+        return WholeSequenceAttention.apply(q, k, v, mask.causal, scale)[..., :v_dim]
     return _ContextParallelAttention.apply(q, k, v, spec)[..., :v_dim]

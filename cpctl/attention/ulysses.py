@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 
 from cpctl.attention.comm import all_to_all
-from cpctl.attention.kernels import block_backward, block_forward, seq_major
 from cpctl.attention.sharding import ChunkLayout
 from cpctl.errors import CpctlError
 from cpctl.strategy import Strategy
@@ -144,28 +143,6 @@ class _AllToAll(torch.autograd.Function):
         return (None, None, *inverse(_grads(grads, ctx.like), ctx.group))
 
 
-# ----------------------------------------------------------------------------- whole-sequence attention
-
-
-class _LocalAttention(torch.autograd.Function):
-    """Plain causal or full attention over the whole sequence on this rank: one fused kernel call
-    (cuDNN first on CUDA, the flash CPU kernel on CPU), the engine's verified kernels."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
-        q, k, v = seq_major(q), seq_major(k), seq_major(v)
-        out, lse = block_forward(q, k, v, causal=causal, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale = causal, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = block_backward(seq_major(dout), q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None
-
-
 # ----------------------------------------------------------------------------- the entry point
 
 
@@ -201,15 +178,10 @@ def ulysses_attention(
     if copies > 1:  # fewer K/V heads than sp ranks can split: each is repeated, exactly
         k, v = (t.repeat_interleave(copies, dim=1) for t in (k, v))
     q, k, v = _AllToAll.apply(sp_group, True, q, k, v)
-    plain = window is None and chunk is None and all(row is None or tuple(row) == (0,) for row in documents or ())
-    if dist.get_world_size(cp_group) == 1 and plain and q.shape[-1] == v.shape[-1]:
-        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        out = _LocalAttention.apply(q, k, v, bool(is_causal), scale)
-    else:
-        # The ring over cp (at cp 1: the blocks of the whole sequence, no transfer) on these heads.
-        strategy = strategy if dist.get_world_size(cp_group) > 1 else Strategy.RING
-        out = context_parallel_attention(q, k, v, group=cp_group, layout=ring_layout, strategy=strategy,
-                                         is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                                         window=window, chunk=chunk, documents=documents)
+    # The ring over cp on these heads; at cp 1 the engine makes it one kernel call over the whole sequence.
+    strategy = strategy if dist.get_world_size(cp_group) > 1 else Strategy.RING
+    out = context_parallel_attention(q, k, v, group=cp_group, layout=ring_layout, strategy=strategy,
+                                     is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+                                     window=window, chunk=chunk, documents=documents)
     (out,) = _AllToAll.apply(sp_group, False, out)
     return out
