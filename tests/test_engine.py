@@ -176,3 +176,28 @@ def test_a_group_of_one_merges_nothing_in_fp32() -> None:
     assert (out - want).abs().max() <= 2e-2
     for got, t in zip(grads, (q, k, v)):
         assert (got - t.grad).abs().max() <= 5e-2
+
+
+def test_a_kernel_that_takes_gqa_gets_k_v_at_their_own_heads() -> None:
+    """The CPU flash kernel computes GQA itself (`kernels.takes_gqa` checks each kernel once, as
+    `verify` does): the block backward then makes one tensor of q's size, dq. Widened, K/V and
+    their gradients were 4 more, the largest part of the backward at long lengths."""
+    import torch
+
+    from cpctl.attention.kernels import KERNELS, block_backward, block_forward, seq_major, takes_gqa
+
+    assert takes_gqa(KERNELS["cpu_flash"], torch.bfloat16, 16, torch.device("cpu"))
+    q, k, v = (seq_major(t.detach()) for t in gqa_inputs())
+    out, lse = block_forward(q, k, v, causal=True, scale=0.25)
+    dout = torch.randn_like(out)
+    with MadeTensors() as seen:
+        dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal=True, scale=0.25)
+    assert [n for n, _ in seen.made].count(q.numel()) == 1, seen.made
+    assert (dk.shape, dv.shape) == (k.shape, v.shape)
+
+    refs = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    want = torch.nn.functional.scaled_dot_product_attention(*refs, is_causal=True, scale=0.25, enable_gqa=True)
+    want.backward(dout)
+    assert (out - want).abs().max() <= 2e-2
+    for got, ref in zip((dq, dk, dv), refs):
+        assert (got - ref.grad).abs().max() <= 5e-2

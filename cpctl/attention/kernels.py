@@ -173,13 +173,14 @@ def _problem(name: str, dtype: torch.dtype, head_dim: int, device_index: int | N
     return verify(KERNELS[name], device=torch.device("cuda", device_index), dtype=dtype, head_dim=head_dim)
 
 
-def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """None if `kernel` gives SDPA's output and gradients on a small causal block, else why not."""
+def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim: int, kv_heads: int = 2) -> str | None:
+    """None if `kernel` gives SDPA's output and gradients on a small causal block of 2 query heads
+    and `kv_heads` K/V heads (1: the kernel's own GQA, K/V not widened), else why not."""
     gen = torch.Generator(device=device).manual_seed(0)
     # Seq-major views at an offset into a larger buffer: the layout the engine hands kernels.
     q, k, v, dout = (
-        torch.randn(2, 320, 2, head_dim, device=device, dtype=dtype, generator=gen)[1:, 64:].transpose(1, 2)
-        for _ in range(4)
+        torch.randn(2, 320, heads, head_dim, device=device, dtype=dtype, generator=gen)[1:, 64:].transpose(1, 2)
+        for heads in (2, kv_heads, kv_heads, 2)
     )
     # The first call may come inside an autograd Function's forward, and inside a checkpointed
     # block: compute the reference with grad on and with identity saved-tensor hooks, so the
@@ -188,7 +189,8 @@ def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim
     # an SDPA call is routed to the CP engine, which would check its kernels again, in fp64.
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
-        ref = _causal_attention_fp64(*ref_inputs)
+        groups = 2 // kv_heads
+        ref = _causal_attention_fp64(ref_inputs[0], expand_kv(ref_inputs[1], groups), expand_kv(ref_inputs[2], groups))
         ref.backward(dout.double())
     expected = [ref.detach(), *(t.grad for t in ref_inputs)]
     try:
@@ -197,11 +199,22 @@ def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim
             grads = kernel.backward(dout, q, k, v, out, lse.float().contiguous(), causal=True, scale=head_dim**-0.5)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # surface asynchronous kernel errors here
-    except (RuntimeError, IndexError, TypeError) as exc:  # not built for this dtype/arch/head dim
+    except (RuntimeError, IndexError, TypeError) as exc:  # not built for this dtype/arch/head dim/GQA
         return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    error = max((got.double() - want).abs().max().item() for got, want in zip([out, *grads], expected))
+    got = [out, *grads]
+    if [t.shape for t in got] != [t.shape for t in expected]:
+        return f"results of shapes {[tuple(t.shape) for t in got]}, not {[tuple(t.shape) for t in expected]}"
+    error = max((g.double() - want).abs().max().item() for g, want in zip(got, expected))
     tolerance = 1e-4 if dtype == torch.float32 else 5e-2
     return None if error <= tolerance else f"wrong results (max error {error:.3g})"
+
+
+@functools.lru_cache(maxsize=None)
+def takes_gqa(kernel: Kernel, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
+    """Whether `kernel` computes grouped-query attention itself (K/V with fewer heads than q, their
+    gradients back at that size): checked once, as `verify` checks a kernel. The widened K/V and
+    their gradients are 4 tensors of q's size in the backward, the largest part of it at long lengths."""
+    return verify(kernel, device=device, dtype=dtype, head_dim=head_dim, kv_heads=1) is None
 
 
 def _causal_attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -240,20 +253,29 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _widening(kernel: Kernel, q: torch.Tensor, k: torch.Tensor) -> int:
+    """How many times K/V's heads are repeated for `kernel`: GQA's group size, or 1 where the
+    kernel takes GQA itself. K/V travel with their own (fewer) heads either way."""
+    groups = q.shape[1] // k.shape[1]
+    if groups == 1 or takes_gqa(kernel, q.dtype, q.shape[-1], q.device):
+        return 1
+    return groups
+
+
 def block_forward(q, k, v, *, causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of a Q block over one K/V block: (out, lse of shape (B, H, Sq) in the accumulation dtype)."""
-    # GQA: K/V travel with their own (fewer) heads and are widened only for the kernel.
-    groups = q.shape[1] // k.shape[1]
-    k, v = expand_kv(k, groups), expand_kv(v, groups)
-    out, lse = kernel_for(q).forward(q, k, v, causal=causal, scale=scale)
+    kernel = kernel_for(q)
+    groups = _widening(kernel, q, k)
+    out, lse = kernel.forward(q, expand_kv(k, groups), expand_kv(v, groups), causal=causal, scale=scale)
     return out, lse.to(accumulation_dtype(q.dtype))
 
 
 def block_backward(dout, q, k, v, out, lse, *, causal: bool, scale: float):
     """Gradients of one block, given the *merged* out and lse of the whole row."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = expand_kv(k, groups), expand_kv(v, groups)
-    dq, dk, dv = kernel_for(q).backward(dout, q, k, v, out, lse.contiguous(), causal=causal, scale=scale)
+    kernel = kernel_for(q)
+    groups = _widening(kernel, q, k)
+    dq, dk, dv = kernel.backward(dout, q, expand_kv(k, groups), expand_kv(v, groups), out, lse.contiguous(),
+                                 causal=causal, scale=scale)
     return dq, fold_kv_grad(dk, groups), fold_kv_grad(dv, groups)
 
 
