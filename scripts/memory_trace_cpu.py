@@ -8,7 +8,7 @@ trace are not counted; everything else (activations, checkpoints, gradients, wor
 
 The step is what `cpctl launch --activation-checkpointing true --chunked-loss ...` runs on a
 Hugging Face LlamaForCausalLM at world 1, in bf16: each decoder layer under a non-reentrant
-checkpoint (cpctl's own wrapper), the MLPs and optionally the blocks' norms in tiles
+checkpoint (cpctl's own wrapper), the MLPs and optionally the norms in tiles
 (cpctl.runtime.tiling), the loss chunked (cpctl.runtime.losses). Not modelled: FSDP (its
 gathered parameters and fp32 gradients are parameter-sized), offload_activations (CUDA only:
 here every block's input stays, a separate term).
@@ -117,9 +117,7 @@ def build(args):
     if args.tiled_mlp_tokens:
         tiling.apply_tiled_mlp(blocks, tile_tokens=args.tiled_mlp_tokens)
     if args.tiled_norm_tokens:
-        tiling.apply_tiled_norms(blocks, tile_tokens=args.tiled_norm_tokens)
-        if args.tile_final_norm:  # what cpctl does not tile (yet): the decoder's own final norm
-            tiling._tile(model.model.norm, tile_tokens=args.tiled_norm_tokens, key="memory.tiled_norm_tokens")
+        tiling.apply_tiled_norms(blocks, tile_tokens=args.tiled_norm_tokens, model=model)
     apply_activation_checkpointing(blocks, model, contexts=lambda index: (contextlib.nullcontext(), contextlib.nullcontext()))
     if args.offload_activations:  # CUDA only, as in cpctl: what the model's forward saves goes to host memory
         from cpctl.runtime.pinned import HostArena, offload_saved_activations
@@ -188,7 +186,6 @@ def main(argv=None) -> None:
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--offload-activations", action="store_true", help="cpctl's offload of saved activations (cuda)")
-    parser.add_argument("--tile-final-norm", action="store_true", help="with --tiled-norm-tokens: model.norm in tiles too")
     parser.add_argument("--show", action="append", help="also list what is live at the peak of this place (repeatable)")
     args = parser.parse_args(argv)
     torch.set_num_threads(2)

@@ -17,7 +17,7 @@ from torch import nn
 from cpctl import planner
 from cpctl.errors import CpctlError
 from cpctl.planner import PRESETS, Setup
-from cpctl.runtime.tiling import apply_tiled_mlp, apply_tiled_norms, tiled_layers
+from cpctl.runtime.tiling import TiledForward, apply_tiled_mlp, apply_tiled_norms, tiled_layers
 
 K = 1024
 
@@ -45,10 +45,12 @@ def test_tiled_layers_compute_what_the_whole_layers_do(tiles) -> None:
     if mlp_tokens:
         apply_tiled_mlp(blocks, tile_tokens=mlp_tokens)
     if norm_tokens:
-        apply_tiled_norms(blocks, tile_tokens=norm_tokens)
+        apply_tiled_norms(blocks, tile_tokens=norm_tokens, model=tiled)
     keys = [layer.key for layer in tiled_layers(tiled)]
     assert keys.count("memory.tiled_mlp_tokens") == (2 if mlp_tokens else 0)
-    assert keys.count("memory.tiled_norm_tokens") == (4 if norm_tokens else 0)  # input and post-attention norms
+    assert keys.count("memory.tiled_norm_tokens") == (5 if norm_tokens else 0)  # input, post-attention and final norms
+    if norm_tokens:
+        assert isinstance(tiled.model.norm.__dict__.get("forward"), TiledForward)
     ids = torch.randint(0, 64, (2, 37))  # tiles that do not divide the sequence
     want_loss, want = loss_and_grads(reference, ids)
     got_loss, got = loss_and_grads(tiled, ids)

@@ -226,7 +226,7 @@ class Runtime:
         if memory.tiled_mlp_tokens:  # before checkpointing wraps the blocks
             apply_tiled_mlp(found, tile_tokens=memory.tiled_mlp_tokens)
         if memory.tiled_norm_tokens:
-            apply_tiled_norms(found, tile_tokens=memory.tiled_norm_tokens)
+            apply_tiled_norms(found, tile_tokens=memory.tiled_norm_tokens, model=model)
         if checkpointing:
             self._levels = BlockLevels(self.config, blocks=len(found), model=model, device=self.device)
             wrappers = apply_activation_checkpointing(found, model, contexts=self._checkpoint_contexts)

@@ -61,17 +61,27 @@ def is_norm(layer: nn.Module) -> bool:
     return isinstance(layer, (nn.LayerNorm, nn.RMSNorm)) or type(layer).__name__.endswith(NORM_SUFFIXES)
 
 
-def apply_tiled_norms(blocks: list[nn.Module], *, tile_tokens: int) -> None:
+def apply_tiled_norms(blocks: list[nn.Module], *, tile_tokens: int, model: nn.Module | None = None) -> None:
     """Each block's normalization layers (its direct children: a decoder layer's input and
-    post-attention norms) in tiles. Norms nested deeper (a per-head q/k norm) work on small
-    tensors and stay whole."""
+    post-attention norms) in tiles, and, given the model, the norms beside the blocks (the
+    decoder's final norm, whose backward opens the backward pass). Norms nested deeper (a
+    per-head q/k norm) work on small tensors and stay whole."""
     norms = [[child for child in block.children() if is_norm(child)] for block in blocks]
     if not blocks or not all(norms):
         name = type(blocks[norms.index([])]).__name__ if blocks else "the model"
         raise CpctlError(f"memory.tiled_norm_tokens: no LayerNorm or RMSNorm among {name}'s direct children; "
                          "set memory.tiled_norm_tokens: 0")
-    for layer in (layer for found in norms for layer in found):
+    beside = _norms_beside(model, blocks) if model is not None else []
+    for layer in [*(layer for found in norms for layer in found), *beside]:
         _tile(layer, tile_tokens=tile_tokens, key="memory.tiled_norm_tokens")
+
+
+def _norms_beside(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The norms that are direct children of the module holding the blocks' list (LlamaModel's `norm`)."""
+    for holder in model.modules():
+        if any(isinstance(child, nn.ModuleList) and any(item is blocks[0] for item in child) for child in holder.children()):
+            return [child for child in holder.children() if is_norm(child)]
+    return []
 
 
 def tiled_layers(model: nn.Module) -> list[TiledForward]:
