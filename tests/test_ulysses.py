@@ -95,3 +95,49 @@ def test_what_attention_keeps_for_backward_is_what_cpctl_plan_counts(records, cp
     sizes = Sizes(model, Setup(gpus=cp * sp, cp=cp, sp=sp, precision="no", batch=case["batch"]), record["seq"])
     per_token = attention_saved_per_token(sizes) - _norm_saved(sizes)
     assert record["saved_bytes"] == per_token * sizes.local_tokens
+
+
+# ----------------------------------------------------------------------------- the planner's Ulysses buffers
+
+MEMORY_WORKER = REPO / "tests" / "workers" / "ulysses_memory.py"
+sys.path.insert(0, str(MEMORY_WORKER.parent))
+from ulysses_memory import HEAD_DIM, HEADS, SP_SIZES
+
+MEMORY_CASES = [(sp, q_heads, kv_heads, batch) for sp in SP_SIZES for q_heads, kv_heads in HEADS for batch in (1, 2)]
+
+
+def run_memory_worker(tmp: Path) -> dict[tuple, dict]:
+    out = tmp / "memory.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+         str(MEMORY_WORKER), str(out)], cwd=tmp, env=launch_env(tmp), check=False, capture_output=True, text=True,
+        timeout=TIMEOUT,
+    )
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"ulysses memory worker exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-6000:]}")
+    records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return {(r["sp"], r["q_heads"], r["kv_heads"], r["batch"]): r for r in records}
+
+
+@pytest.fixture(scope="module")
+def memory_records(tmp_path_factory: pytest.TempPathFactory):
+    return launch_once(tmp_path_factory, "ulysses-memory", run_memory_worker)()
+
+
+@pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: "sp{}-heads{}:{}-batch{}".format(*c))
+def test_ulysses_backward_buffers_are_within_what_cpctl_plan_counts(memory_records, case) -> None:
+    """The bytes Ulysses' backward makes and holds at its peak (its all-to-all of the gradients back to
+    the token layout) are the planner's Ulysses exchange term, less at most dout's all-to-all buffers
+    (its send buffer and its head layout, 2 q), which the communication library frees when it is done
+    with them: on gloo at times only after the gradients' all-to-all."""
+    from cpctl.planner import ModelShape, Setup, Sizes
+    from cpctl.planner.terms import ulysses_exchange_per_token
+
+    sp, q_heads, kv_heads, batch = case
+    record = memory_records[case]
+    model = ModelShape("test", vocab_size=8, dim=q_heads * HEAD_DIM, n_layers=1, n_heads=q_heads, n_kv_heads=kv_heads,
+                       ffn_dim=8, head_dim=HEAD_DIM)
+    sizes = Sizes(model, Setup(gpus=sp, sp=sp, precision="no", batch=batch), record["seq"])
+    planned = ulysses_exchange_per_token(sizes) * sizes.local_tokens
+    dout_buffers = 2 * sizes.act * model.q_dim * sizes.local_tokens
+    assert planned - dout_buffers <= record["backward_peak_bytes"] <= planned

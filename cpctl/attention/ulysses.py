@@ -86,6 +86,7 @@ def _to_head_split(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) ->
         offset += size
     recv = torch.empty_like(send)
     all_to_all(recv, send, group)
+    del send  # before the outputs are laid out (a copy where heads or batch rows interleave): 2 buffers live, not 3
     out, offset = [], 0
     for (b, n, h, d), size in zip(parts, sizes):
         # row i holds peer i's n tokens for this rank's heads: peers in order are the sequence
@@ -108,6 +109,7 @@ def _to_token_split(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -
         offset += size
     recv = torch.empty_like(send)
     all_to_all(recv, send, group)
+    del send  # before the outputs are laid out (a copy where heads or batch rows interleave): 2 buffers live, not 3
     out, offset = [], 0
     for (b, n, h, d), size in zip(parts, sizes):
         # row i holds heads group i of this rank's tokens

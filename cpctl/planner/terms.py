@@ -145,13 +145,22 @@ def ulysses_saved_per_token(z: Sizes) -> float:
 
 
 def ulysses_exchange_per_token(z: Sizes) -> float:
-    """Per local token, Ulysses' transient buffers at the peak of attention's backward: the head-layout
-    gradients dout, dq, dk, dv, and the all-to-all's send and receive buffers of q, k, v's gradients."""
+    """Per local token, Ulysses' buffers when its backward sends the gradients back to the token layout:
+    the head-layout dq, dk, dv and the all-to-all's send and receive buffers of them (the token-layout
+    gradients are laid out of the receive buffer once the send buffer is freed), and dout's: its head
+    layout and its all-to-all's two buffers, which the communication library may free only later
+    (tests/workers/ulysses_memory.py measures between q + 3 qkv and this, 3 q + 3 qkv, on CPU)."""
     if z.setup.sp == 1:
         return 0.0
     model, tp = z.model, z.setup.tp
-    qkv = z.act * (model.q_dim + 2 * model.kv_dim * z.kv_copies) / tp
-    return z.act * model.q_dim / tp + qkv + 2 * qkv
+    return 3 * z.act * model.q_dim / tp + 3 * _head_layout_qkv(z)
+
+
+def _head_layout_qkv(z: Sizes) -> float:
+    """Per local token, q, k and v (or their gradients) in Ulysses' head layout: K/V repeated for fewer
+    heads than sp ranks."""
+    model = z.model
+    return z.act * (model.q_dim + 2 * model.kv_dim * z.kv_copies) / z.setup.tp
 
 
 def mlp_saved_per_token(z: Sizes) -> float:
@@ -226,36 +235,52 @@ def attention_working_set(z: Sizes) -> Term:
     # (the first block backward reaches, the last layer, is a selective one if any is)
     kept = selective_kept_per_token(z) if selective_layers(z) else 0
     recomputed = (attention_saved_per_token(z) - kept) * tokens if z.setup.activation_checkpointing else 0
+    # In the kernel's backward: dout, dq, dk, dv, the kernel's fp32 dq accumulator, the residual's gradient.
     grads = (z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.q_dim / tp + z.act * model.dim) * tokens
     # then the block's input norm differentiates in fp32: RMSNorm's autograd makes 5 temporaries of model
     # width (grad x rsqrt, the mean's gradient expanded, pow's x^1, 2 x^1 and its product with the gradient;
-    # scripts/memory_trace_cpu.py), counted as 4 as calibrated on the H200 runs.
-    norm_backward = 4 * FP32 * model.dim * tokens
-    # Tiled norms (memory.tiled_norm_tokens) make those temporaries one tile's on CPU, but on the
-    # H200 the moment's peak stayed within 10% of this bound (the Llama-3.2-1B shape at 512k: 51.95
-    # GiB tiled, 57.89 whole; docs/benchmarks/tiled_norms_1b_h200.jsonl): the kernel's backward,
-    # which widens GQA's K/V and their gradients to q's heads (cpctl.attention.kernels.block_backward),
-    # and what else is live then, take about as much. Until that is measured apart, the bound stays:
-    # tiling is credited with the norm's saved copies only (`_block_norm_saved`), what the GPU showed.
-    widened = 4 * z.act * (model.q_dim - model.kv_dim * z.kv_copies) / tp * tokens if z.setup.cp == 1 else 0
+    # scripts/memory_trace_cpu.py), counted as 4 as calibrated on the H200 runs. In tiles
+    # (memory.tiled_norm_tokens) they are one tile's: on an H200 the moment of a tiled run's peak is
+    # the kernel's backward, with no norm tensor live (scripts/cuda_memory_report.py, 256k tokens).
+    norm_backward = 0 if z.setup.tiled_norm_tokens else 4 * FP32 * model.dim * tokens
+    # One kernel call over the whole sequence (cp 1, and Ulysses over one ring rank) takes GQA's fewer
+    # K/V heads itself (cuDNN and flash do; kernels.takes_gqa): its backward then keeps a second fp32
+    # buffer of q's size (on an H200, 4,128 MiB where 2,080 without GQA: the Llama-3.2-1B shape at 256k).
+    gqa = model.kv_dim * z.kv_copies < model.q_dim
+    gqa_workspace = FP32 * model.q_dim / tp * tokens if z.setup.cp == 1 and gqa else 0
+    how = "q, k, v, out, their gradients"
+    if z.setup.sp > 1 and z.setup.cp == 1:
+        # Ulysses alone: the kernel's backward, then the all-to-all of the gradients, one after the other.
+        # The kernel's moment holds dout in the head layout and its all-to-all's send buffer, dq, dk, dv
+        # there, the kernel's fp32 workspace; the residual's gradient is live at both.
+        kernel = (2 * z.act * model.q_dim / tp + _head_layout_qkv(z)) * tokens + FP32 * model.q_dim / tp * tokens
+        exchange = ulysses_exchange_per_token(z) * tokens
+        residual = z.act * model.dim * tokens
+        moments = {"the kernel's backward": kernel + gqa_workspace, "the gradients' all-to-all": exchange,
+                   "the norm's fp32 backward": norm_backward}
+        largest = max(moments, key=moments.__getitem__)
+        return Term("attention working set", _at(0, mlp=recomputed, attention=recomputed + residual + moments[largest]),
+                    f"{how}; Ulysses: the larger of the kernel's backward and the gradients' all-to-all "
+                    f"(here {largest})")
     # K and V that a GPU holds per token it attends for: under Ulysses 1/sp of the (repeated) heads
     kv_per_token = 2 * z.act * model.kv_dim * z.kv_copies / (tp * z.setup.sp)
     attended = tokens * z.setup.sp  # the cp rank's tokens: what the ring sees after the all-to-all
     if z.setup.cp == 1:
-        moved, how = 0, "q, k, v, out, their gradients"
+        moved = 0
     elif z.setup.strategy == "allgather":
         moved = 2 * kv_per_token * z.group_tokens
         how = "q, k, v, out, gradients; the whole sequence's K/V" + (" for 1/sp of the heads" if z.setup.sp > 1 else "") + " + its gradient"
     else:
         moved = 4 * kv_per_token * attended
         how = "q, k, v, out, gradients; 2 K/V blocks + 2 gradient blocks"
+    # 2D (Ulysses x ring): the ring's buffers and Ulysses' counted together, an upper bound not yet measured apart
     exchange = ulysses_exchange_per_token(z) * tokens
     if exchange:
         how += "; Ulysses: head-layout gradients and all-to-all buffers"
     return Term("attention working set",
-                _at(0, mlp=recomputed, attention=recomputed + grads + moved + exchange + max(norm_backward, widened)),
-                how + ("; GQA's K/V widened in the kernel's backward" if widened > norm_backward
-                       else "; the norm's fp32 backward"))
+                _at(0, mlp=recomputed, attention=recomputed + grads + moved + exchange + max(norm_backward, gqa_workspace)),
+                how + ("; the kernel's GQA workspace" if gqa_workspace > norm_backward
+                       else "; the norm's fp32 backward" if norm_backward else ""))
 
 
 def mlp_working_set(z: Sizes) -> Term:
@@ -278,7 +303,7 @@ def loss(z: Sizes) -> Term:
     the larger of the two is the moment's."""
     model, tokens = z.model, z.local_tokens
     final_norm = final_norm_backward_per_token(z) * tokens
-    norm_how = f"; or the final norm's fp32 backward ({final_norm_backward_per_token(z) / model.dim:.0f} B x width)"
+    norm_how = f"; or the final norm's backward ({final_norm_backward_per_token(z) / model.dim:.0f} B x width)"
     if not z.setup.chunked_loss:
         logits = z.act * model.vocab_size * tokens
         if not z.setup.logits_kept:  # model(labels=...).loss: the output, logits and all, is dropped
@@ -296,21 +321,28 @@ def loss(z: Sizes) -> Term:
 def final_norm_backward_per_token(z: Sizes) -> float:
     """Per token, the model's final norm's backward, the first thing after the loss's backward: its
     fp32 input (back from host memory when offloaded; otherwise counted with the head's inputs in
-    `activations`) and RMSNorm's 5 fp32 temporaries of model width. memory.tiled_norm_tokens tiles
-    only the blocks' norms: this one is whole, and with the blocks' in tiles it can be the peak."""
-    return 5 * FP32 * z.model.dim + (FP32 * z.model.dim if z.setup.offload_activations else 0)
+    `activations`) and RMSNorm's 5 fp32 temporaries of model width. In tiles (memory.tiled_norm_tokens
+    tiles it with the blocks' norms) its input is the bf16 hidden state and the temporaries are one
+    tile's: the input and its gradient remain."""
+    back = 1 if z.setup.offload_activations else 0
+    if z.setup.tiled_norm_tokens:
+        return (back + 1) * z.act * z.model.dim
+    return 5 * FP32 * z.model.dim + back * FP32 * z.model.dim
 
 
 def offloaded_per_token(z: Sizes) -> float:
     """Per token, what the offload of saved activations moves to host memory: each block's input
     (and what the selective level keeps), the final norm's saved tensors (its fp32 input, kept
-    once, its normalized output and the inverse RMS), the token ids and position ids (int64), and,
+    once, its normalized output and the inverse RMS; in tiles only the output, which the head
+    keeps: on an H200 at 512k tokens, 34.0 GiB where 38.0 whole), the token ids and position ids
+    (int64), and,
     when the logits are made in the forward, the head's input (and with model(labels=...).loss
     the fp32 log-softmax). Parameters are not copied: FSDP gathers them again for backward. (A
     Hugging Face model's rotary cos and sin, 4 bytes per head dim, are not counted.)"""
     model = z.model
     blocks = model.n_layers * z.act * model.dim + selective_layers(z) * selective_kept_per_token(z)
-    head = FP32 * model.dim + z.act * model.dim + FP32 + 2 * 8
+    final_norm = z.act * model.dim if z.setup.tiled_norm_tokens else FP32 * model.dim + z.act * model.dim + FP32
+    head = final_norm + 2 * 8
     if not z.setup.chunked_loss:
         head += z.act * model.dim + (0 if z.setup.logits_kept else FP32 * model.vocab_size)
     return blocks + head
