@@ -82,7 +82,8 @@ def values(tree: Mapping[str, Any], *, source: str) -> dict[str, Any]:
                          "divide among them")
         out["launch.nproc_per_node"] = total // machines
     if machines > 1:
-        out["launch.node_rank"] = int(tree.get("machine_rank", 0) or 0)
+        if tree.get("machine_rank") is not None:  # absent: the file does not say which machine it is for
+            out["launch.node_rank"] = int(tree["machine_rank"])
         if tree.get("main_process_ip"):
             out["launch.rdzv_endpoint"] = f"{tree['main_process_ip']}:{tree.get('main_process_port') or 29500}"
     if tree.get("use_cpu") is True:

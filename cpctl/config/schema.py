@@ -228,8 +228,8 @@ class Launch:
     nnodes: int = key(integer(minimum=1), 1, "machines", prompt="Machines (nnodes)")
     nproc_per_node: int = key(integer(minimum=1, auto=True), AUTO, "worker processes per machine",
                               prompt="Processes per machine (nproc_per_node)")
-    node_rank: int = key(integer(minimum=0), 0, "this machine's index among nnodes; 0 hosts the rendezvous",
-                         prompt="This machine's node_rank (0 on the machine that hosts the rendezvous)")
+    # Not asked by `cpctl config`: a profile is shared by every machine, the node rank is each one's own.
+    node_rank: int = key(integer(minimum=0), 0, "this machine's index among nnodes; 0 hosts the rendezvous")
     rdzv_endpoint: str | None = key(ENDPOINT, None, "rendezvous address for several machines",
                                     prompt="Rendezvous endpoint, host:port of the node_rank-0 machine")
     max_restarts: int = key(integer(minimum=0), 0, "times the elastic agent restarts failed workers")
