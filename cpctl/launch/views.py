@@ -99,7 +99,7 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
             legend.add_row(name, how)
         out.print(legend)
     if estimate.host_bytes:
-        per_machine = setup.gpus_per_node
+        per_machine = setup.workers_per_node
         gpus = f"{per_machine} GPU{'s' if per_machine > 1 else ''} x " if per_machine > 1 else ""
         line = (f"host memory per machine: {gpus}({estimate.host_bytes / gib:.1f} GiB offloaded at its exact size + "
                 f"~{planner.WORKER_HOST_GIB:g} GiB a worker) = {estimate.host_needed / gib:.1f} GiB")

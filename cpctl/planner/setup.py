@@ -67,6 +67,11 @@ class Setup:
                                    gpus_per_node=min(gpus, max(self.gpus_per_node, 1)))
 
     @property
+    def workers_per_node(self) -> int:
+        """The workers of one machine, which share its host memory: no more than the GPUs of the setup."""
+        return max(1, min(self.gpus, self.gpus_per_node))
+
+    @property
     def seq_ranks(self) -> int:
         """How many GPUs split one sequence: cp x sp."""
         return self.cp * self.sp
