@@ -172,6 +172,5 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
     shown = preview(flags={**flags, **extra}, config=config, profile_name=profile_name, environ=environ, cwd=cwd)
     setup = dataclasses.replace(Setup.from_profile(shown.resolved.profile, chunked_loss=chunked_loss, batch=batch),
                                 logits_kept=logits_kept)
-    split = shown.resolved.sources.get("parallelism.sp_size", "")
     return ResolvedSetup(setup, shown.target, note, model=shown.resolved.profile.model,
-                         split=split[len("auto ("):-1] if split.startswith("auto (") else None)
+                         split=shown.resolved.auto_reason("parallelism.sp_size"))
