@@ -161,7 +161,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
          ["dp_replicate(1) * dp_shard(2) * cp(2) * tp(1) = 4 != world size 8", "set dp_shard_size: 4"]),
         (["--cp-size", "2", "--fsdp-version", "1"], ["context parallelism needs fsdp.version: 2"]),
         (["--nnodes", "2"], ["pass --rdzv-endpoint HOST:PORT"]),
-        (["--attention", "sdpa"], ["--attention: unknown option: a retired key", "delete the flag"]),
+        (["--attention", "sdpa"], ["--attention: unknown option: a retired key", "SDPA at every cp and sp size", "; drop the flag"]),
         (["--profile", "cpu-tri"], ["no such profile; did you mean cpu-try?"]),
         (["--cp-sise", "2"], ["--cp-sise: unknown option; did you mean --cp-size?"]),
         (["--nproc", "2"], ["--nproc: unknown option; did you mean --nproc-per-node?"]),  # an abbreviation

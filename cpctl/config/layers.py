@@ -66,9 +66,8 @@ def tree_layer(tree: Any, source: str) -> Layer:
                 if sub not in known:
                     raise CpctlError(f"{source}: {name}.{shown(sub)[1:-1]}: unknown key{suggest(str(sub)[:40], known)}")
         elif name in RETIRED:
-            accepted, why = RETIRED[name]
-            if value != accepted:
-                raise CpctlError(f"{source}: {name}: {value}: a retired key; {why}")
+            if value != RETIRED[name].accepted:
+                raise CpctlError(f"{source}: {name}: {value}: a retired key; {RETIRED[name].reason}; delete the line")
         elif name not in KEYS:
             raise CpctlError(f"{source}: {shown(name)[1:-1]}: unknown key{suggest(str(name)[:40], list(KEYS) + list(SECTIONS))}")
     values = flatten({name: value for name, value in tree.items()
@@ -225,11 +224,12 @@ def env_layer(environ: Mapping[str, str]) -> Layer:
     from cpctl.failure_report import ERROR_DIR_ENV_VAR
 
     internal = {PROFILE_ENV_VAR, ERROR_DIR_ENV_VAR}  # what cpctl launch hands its workers
-    for name, (accepted, why) in RETIRED.items():
-        value = environ.get(f"CPCTL_{name.upper()}")
-        if value is not None and value != accepted:
-            raise CpctlError(f"environment: CPCTL_{name.upper()}={value}: a retired key; {why.replace('the line', 'it')}")
-    retired = {f"CPCTL_{name.upper()}" for name in RETIRED}
+    for retired_key in RETIRED.values():
+        value = environ.get(retired_key.env_var)
+        if value is not None and value != retired_key.accepted:
+            raise CpctlError(f"environment: {retired_key.env_var}={value}: a retired key; {retired_key.reason}; "
+                             "unset it")
+    retired = {retired_key.env_var for retired_key in RETIRED.values()}
     unknown = [name for name in environ
                if name.startswith("CPCTL_") and name not in by_var and name not in internal and name not in retired]
     if unknown:

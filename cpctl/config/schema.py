@@ -287,11 +287,38 @@ class Profile:
         return cls(**{path: values[path] for path in KEYS if "." not in path}, **sections)
 
 
-# Keys profiles once had, with the one value still read (as nothing to do) and why the key went.
-RETIRED: dict[str, tuple[Any, str]] = {
-    "attention": ("sdpa", "cpctl computes attention through SDPA at every cp and sp size (a Hugging Face model "
-                          "needs attn_implementation='sdpa'); delete the line"),
-}
+def flag_of(name: str) -> str:
+    """`cp_size` -> `--cp-size`: a key's flag."""
+    return "--" + name.replace("_", "-")
+
+
+def env_var_of(name: str) -> str:
+    """`cp_size` -> `CPCTL_CP_SIZE`: a key's environment variable."""
+    return "CPCTL_" + name.upper()
+
+
+@dataclass(frozen=True)
+class Retired:
+    """A key profiles once had: the one value still read (as nothing to do), and why the key went.
+    `reason` says no more than why: each source (file, variable, flag) adds how to drop it there."""
+
+    name: str
+    accepted: Any
+    reason: str
+
+    @property
+    def flag(self) -> str:
+        return flag_of(self.name)
+
+    @property
+    def env_var(self) -> str:
+        return env_var_of(self.name)
+
+
+RETIRED: dict[str, Retired] = {retired.name: retired for retired in (
+    Retired("attention", "sdpa", "cpctl computes attention through SDPA at every cp and sp size (a Hugging Face "
+                                 "model needs attn_implementation='sdpa')"),
+)}
 
 SECTIONS: dict[str, type] = {"parallelism": Parallelism, "fsdp": Fsdp, "memory": Memory, "launch": Launch}
 
@@ -321,11 +348,11 @@ class Key:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return flag_of(self.name)
 
     @property
     def env_var(self) -> str:
-        return "CPCTL_" + self.name.upper()
+        return env_var_of(self.name)
 
     @property
     def allowed(self) -> str:
