@@ -503,3 +503,9 @@ def test_the_ulysses_scan_keeps_sp_inside_the_setups_machines() -> None:
     splits = {gpus: (layout.sp, layout.cp) for gpus, layout, _ in plan.longest_sp}
     assert splits[4] == (4, 1) and splits[8] == (4, 2) and splits[32] == (4, 8)
     assert plan.needed_sp is not None and plan.needed_sp.setup.sp == 4
+
+
+def test_the_model_key_names_the_planners_presets() -> None:
+    from cpctl.config import KEYS
+
+    assert KEYS["model"].allowed.startswith(f"a preset ({', '.join(PRESETS)}), ")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpctl.errors import CpctlError
+from cpctl.planner.shapes import PRESETS  # torch-free: the planner's arithmetic, no model code
 from cpctl.strategy import Strategy
 
 AUTO = "auto"
@@ -114,7 +115,7 @@ def _model(value: Any) -> bool:
     return value is None or (isinstance(value, str) and bool(value.strip()))
 
 
-MODEL = Kind("a preset (tiny, 1b, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b), a Hugging Face config.json or its "
+MODEL = Kind(f"a preset ({', '.join(PRESETS)}), a Hugging Face config.json or its "
              "directory, or null", _model,
              lambda text: None if text.strip().lower() in ("", "null", "none") else text.strip())
 
