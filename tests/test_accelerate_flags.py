@@ -67,6 +67,25 @@ def test_accelerates_sequence_parallelism_is_cpctls_ulysses(script: Path) -> Non
                           "expected sdpa")
 
 
+ACCELERATE_SP = ("distributed_type: MULTI_CPU\nuse_cpu: true\nnum_processes: 4\nparallelism_config:\n"
+                 "  parallelism_config_sp_size: 2\n  parallelism_config_cp_size: 2\n"
+                 "  parallelism_config_sp_backend: deepspeed\n  parallelism_config_sp_seq_length: 4096\n")
+
+
+def test_accelerates_config_file_sets_sequence_parallelism_as_its_flags_do(script: Path) -> None:
+    """The same setting in accelerate's config file means what its flag means: sp_size is cpctl's
+    Ulysses, and an attention other than sdpa is refused, in one line."""
+    config = script.parent / "accelerate.yaml"
+    config.write_text(ACCELERATE_SP + "  parallelism_config_sp_attn_implementation: sdpa\n")
+    rows, _ = dry_run("--config", str(config))
+    assert rows["parallelism.sp_size"] == ["2", f"--config {config}"]
+    assert rows["parallelism.cp_size"] == ["2", f"--config {config}"]
+    config.write_text(ACCELERATE_SP + "  parallelism_config_sp_attn_implementation: flash_attention_2\n")
+    assert_one_line_error(cpctl("launch", "--dry-run", "--config", str(config), "train.py"),
+                          f"{config}: parallelism_config.parallelism_config_sp_attn_implementation: flash_attention_2: "
+                          "expected sdpa")
+
+
 def test_dashes_and_equals_too(script: Path) -> None:
     rows, _ = dry_run("--cpu", "--num-processes=2", "--parallelism-config-cp-size=2", "--fsdp-offload-params", "false",
                       "--fsdp-activation-checkpointing", "true", "--fsdp_reshard_after_forward", "false",

@@ -161,7 +161,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
          ["dp_replicate(1) * dp_shard(2) * cp(2) * tp(1) = 4 != world size 8", "set dp_shard_size: 4"]),
         (["--cp-size", "2", "--fsdp-version", "1"], ["context parallelism needs fsdp.version: 2"]),
         (["--nnodes", "2"], ["pass --rdzv-endpoint HOST:PORT"]),
-        (["--attention", "sdpa"], ["--attention: unknown option: a retired key", "delete the flag"]),
+        (["--attention", "sdpa"], ["--attention: unknown option: a retired key", "SDPA at every cp and sp size", "; drop the flag"]),
         (["--profile", "cpu-tri"], ["no such profile; did you mean cpu-try?"]),
         (["--cp-sise", "2"], ["--cp-sise: unknown option; did you mean --cp-size?"]),
         (["--nproc", "2"], ["--nproc: unknown option; did you mean --nproc-per-node?"]),  # an abbreviation
@@ -334,6 +334,30 @@ def test_a_default_node_rank_leaves_the_store_host_to_c10d(script: Path) -> None
                    "--nproc-per-node", "2", "--cp-size", "4", "train.py")
     assert result.exit_code == 0, result.output
     assert ("--rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 --tee=3 -- train.py") in result.stdout
+
+
+SHARED_TWO_NODES = "version: 1\nlaunch:\n  device: cpu\n  nnodes: 2\n  nproc_per_node: 2\n  node_rank: 0\n" \
+                   "  rdzv_endpoint: 10.0.0.1:29400\n"
+ACCELERATE_TWO_MACHINES = "distributed_type: MULTI_CPU\nuse_cpu: true\nnum_machines: 2\nnum_processes: 4\n" \
+                          "main_process_ip: 10.0.0.1\nmain_process_port: 29400\n"
+
+
+@pytest.mark.parametrize(("file", "text", "env", "hosts"), [
+    # a profile every machine launches says nothing about which machine this is: c10d's own rule
+    ("shared.yaml", SHARED_TWO_NODES, {}, None),
+    ("shared.yaml", SHARED_TWO_NODES, {"CPCTL_NODE_RANK": "1"}, "false"),  # the machine's own variable does
+    ("shared.yaml", SHARED_TWO_NODES, {"SLURM_JOB_ID": "7", "SLURM_NODEID": "0"}, "true"),
+    # accelerate writes its config file per machine: its machine_rank is this machine's, when it has one
+    ("accelerate.yaml", ACCELERATE_TWO_MACHINES, {}, None),
+    ("accelerate.yaml", ACCELERATE_TWO_MACHINES + "machine_rank: 1\n", {}, "false"),
+])
+def test_only_this_machines_own_node_rank_picks_the_rendezvous_host(script: Path, file: str, text: str,
+                                                                    env: dict[str, str], hosts: str | None) -> None:
+    config = write(script.parent / file, text)
+    result = cpctl("launch", "--dry-run", "--config", str(config), "train.py", env=env)
+    assert result.exit_code == 0, result.output
+    is_host = "" if hosts is None else f"--rdzv-conf=is_host={hosts} "
+    assert f"--rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 {is_host}--tee=3 " in result.stdout
 
 
 def test_dry_run_under_slurm(script: Path) -> None:

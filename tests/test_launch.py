@@ -13,12 +13,14 @@ import json
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-from launching import REPO, TIMEOUT, cpctl, finish
+from launching import REPO, TIMEOUT, cpctl, finish, launch_env
 
 from cpctl.errors import CpctlError
 from cpctl.launch.launcher import check_cuda_devices
@@ -173,6 +175,20 @@ def test_a_scripts_own_exception_shows_its_type_and_message(tmp_path: Path) -> N
         assert traceback_file.read_text().rstrip().endswith("ValueError: batch 3 has no labels")
     finally:
         shutil.rmtree(traceback_file.parent, ignore_errors=True)
+
+
+def test_a_process_alone_that_fails_ends_as_python_ends_it(tmp_path: Path) -> None:
+    # plain `python script.py`, a world of 1: no peer can be mid-collective, so nothing cuts the
+    # exit short: the script's atexit handlers run and its open files are flushed
+    leave = tmp_path / "left"
+    leave.mkdir()
+    proc = subprocess.run([sys.executable, str(FAILING), "--rank", "0", "--error", "value", "--leave", str(leave)],
+                          cwd=tmp_path, env=launch_env(tmp_path), check=False, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.rstrip().endswith("ValueError: batch 3 has no labels"), proc.stderr  # Python's own traceback
+    assert (leave / "buffered.txt").read_text() == "written before the failure", proc.stderr
+    assert (leave / "atexit.txt").read_text() == "ran at exit", proc.stderr
 
 
 def test_with_restarts_each_failed_attempt_is_one_line(tmp_path: Path) -> None:

@@ -75,6 +75,8 @@ def test_sp_size_auto_splits_cp_size_from_the_model(tmp_path: Path) -> None:
     par = got.profile.parallelism
     assert (par.sp_size, par.cp_size, par.dp_shard_size, got.profile.world_size) == (8, 2, 1, 16)
     assert got.sources["parallelism.sp_size"].startswith("auto (llama-3.1-8b: Ulysses sp 8 within a node")
+    assert got.auto_reason("parallelism.sp_size").startswith("llama-3.1-8b: Ulysses sp 8 within a node")  # as data
+    assert got.auto_reason("parallelism.cp_size") is None  # given, not auto's choice
     assert got.sources["parallelism.cp_size"] == ("flag --cp-size: 16 ranks per sequence, split by sp_size auto "
                                                  "into sp 8 x cp 2")
     # the workers get numbers, never auto
@@ -156,6 +158,7 @@ def test_plan_prints_the_split_sp_size_auto_chose(cli, isolated: Path) -> None:
     assert (plan["estimate"]["setup"]["sp"], plan["estimate"]["setup"]["cp"]) == (8, 2)
     assert plan["profile"]["split_by_sp_size_auto"].endswith("the ring over cp 2 across nodes")
     assert "2 nodes of 8" in plan["profile"]["note"]
+    assert plan["profile"]["target"].startswith("2 nodes with 8 GPUs each")  # the nodes --gpus 16 resolved to
     shown = cli("plan", "--config", "long.yaml", "--seq-len", "1M", "--gpus", "16", "--chunked-loss")
     assert "Split of the 16 sequence GPUs by sp_size auto: sp 8 x cp 2" in " ".join(shown.stdout.split())
 

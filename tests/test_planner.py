@@ -482,3 +482,30 @@ def test_plan_checks_host_memory_of_this_machine_by_default() -> None:
                    "--activation-checkpointing", "true", "--offload-activations", "true", "--json")
     assert json.loads(result.stdout)["estimate"]["host_memory_gib"] == pytest.approx(machine_host_memory_gib())
     one_line_error(cpctl("plan", "--model", "1b", "--seq-len", "1k", "--host-memory", "none"), "--host-memory none")
+
+
+def test_a_setup_built_directly_counts_host_memory_for_its_own_gpus() -> None:
+    # Setup() is one GPU: the host holds one worker's offloaded tensors, not a node of 8
+    model = PRESETS["llama-3.2-1b"]
+    offload = dataclasses.replace(CHUNKED, tiled_mlp_tokens=8192, offload_activations=True)
+    one = planner.estimate(model, offload, 64 * K)
+    assert one.host_bytes > 0
+    assert one.host_needed == pytest.approx(one.host_bytes + planner.WORKER_HOST_GIB * planner.GiB)
+    four = planner.estimate(model, dataclasses.replace(offload, gpus=4, cp=4), 64 * K)
+    assert four.host_needed == pytest.approx(4 * (four.host_bytes + planner.WORKER_HOST_GIB * planner.GiB))
+
+
+def test_the_ulysses_scan_keeps_sp_inside_the_setups_machines() -> None:
+    # machines of 4 GPUs: sp_size auto never splits heads across them, and neither does the plan's scan
+    model = PRESETS["llama-3.1-8b"]
+    nodes_of_4 = dataclasses.replace(CHUNKED.with_cp(4), gpus_per_node=4)
+    plan = planner.make_plan(model, nodes_of_4, 1024 * K)
+    splits = {gpus: (layout.sp, layout.cp) for gpus, layout, _ in plan.longest_sp}
+    assert splits[4] == (4, 1) and splits[8] == (4, 2) and splits[32] == (4, 8)
+    assert plan.needed_sp is not None and plan.needed_sp.setup.sp == 4
+
+
+def test_the_model_key_names_the_planners_presets() -> None:
+    from cpctl.config import KEYS
+
+    assert KEYS["model"].allowed.startswith(f"a preset ({', '.join(PRESETS)}), ")

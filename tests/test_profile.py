@@ -259,8 +259,9 @@ def test_the_retired_attention_key(tmp_path: Path) -> None:
                        "and sp size (a Hugging Face model needs attn_implementation='sdpa'); delete the line")
     assert "attention" not in P.KEYS
     assert resolve_apart(tmp_path, environ={"CPCTL_ATTENTION": "sdpa"}).profile.parallelism.cp_size == 1
-    assert error_of(tmp_path, environ={"CPCTL_ATTENTION": "eager"}).startswith(
-        "environment: CPCTL_ATTENTION=eager: a retired key; cpctl computes attention through SDPA")
+    assert error_of(tmp_path, environ={"CPCTL_ATTENTION": "eager"}) == (
+        "environment: CPCTL_ATTENTION=eager: a retired key; cpctl computes attention through SDPA at every cp and sp "
+        "size (a Hugging Face model needs attn_implementation='sdpa'); unset it")
 
 
 def test_too_few_gpus(tmp_path: Path) -> None:

@@ -51,9 +51,11 @@ def drive(keys: str, *, output: Path, flags: dict[str, str] | None = None,
     return code, console.file.getvalue()
 
 
-def run_yes(*, output: Path, flags: dict[str, str] | None = None, machine: prof.Machine = CPU) -> tuple[int, str]:
+def run_yes(*, output: Path, flags: dict[str, str] | None = None, machine: prof.Machine = CPU,
+            presets: dict[str, str] | None = None) -> tuple[int, str]:
     console = Console(file=io.StringIO(), width=120)
-    code = run_config(output=output, assume_yes=True, flags=flags or {}, console=console, machine=machine)
+    code = run_config(output=output, assume_yes=True, flags=flags or {}, console=console, machine=machine,
+                      presets=presets)
     return code, console.file.getvalue()
 
 
@@ -141,19 +143,20 @@ def test_bad_answers_are_asked_again(tmp_path):
     assert (got.parallelism.cp_size, got.parallelism.dp_shard_size, got.world_size) == (2, 2, 4)
 
 
-def test_several_machines_ask_node_rank_and_endpoint(tmp_path):
+def test_several_machines_ask_the_endpoint_and_leave_the_node_rank_to_each_launch(tmp_path):
     out = tmp_path / "p.yaml"
     keys = (ENTER + ENTER + typed("2")
-            + typed("2") + typed("1")                   # node_rank 2 of 2 machines, then 1
             + ENTER + typed("node0:29500")              # an endpoint is required
             + ENTER + typed("2") + ENTER * (QUESTIONS - 4))  # 2 processes per machine, cp 2, the rest defaults
     code, shown = drive(keys, output=out)
-    assert code == 0
+    assert code == 0, shown
     where = "on each of the 2 machines, R its node rank (0 on the one at node0:29500: it hosts the rendezvous)"
     assert (f"Launch {where}: cpctl launch --config {out} --node-rank R your_script.py") in " ".join(shown.split())
     assert f"# Launch {where}: cpctl launch --config {out} --node-rank R your_script.py" in out.read_text()
+    # every machine launches this file: a node rank in it would be every machine's
+    assert "node_rank" not in yaml.safe_load(out.read_text())["launch"]
     got = resolved(out)
-    assert (got.launch.nnodes, got.launch.node_rank, got.launch.rdzv_endpoint) == (2, 1, "node0:29500")
+    assert (got.launch.nnodes, got.launch.rdzv_endpoint) == (2, "node0:29500")
     assert (got.parallelism.cp_size, got.parallelism.dp_shard_size, got.world_size) == (2, 2, 4)
 
 
@@ -228,6 +231,20 @@ def test_yes_with_bad_flags_raises_and_writes_nothing(tmp_path, flags, message):
         run_yes(output=out, flags=flags)
     assert message in str(info.value)
     assert not out.exists()
+
+
+def test_a_node_rank_is_given_at_launch_not_written(tmp_path):
+    out = tmp_path / "p.yaml"
+    flags = {"launch.nnodes": "2", "launch.node_rank": "1", "launch.rdzv_endpoint": "node0:29500"}
+    with pytest.raises(CpctlError) as info:
+        run_yes(output=out, flags=flags)
+    assert str(info.value) == ("--node-rank: a profile is shared by every machine, and each machine has its own node "
+                               f"rank; give it at launch: cpctl launch --config {out} --node-rank R your_script.py")
+    assert not out.exists()
+    # accelerate's config file is one machine's: its machine_rank stays out of the profile every machine shares
+    code, _ = run_yes(output=out, flags={}, presets={"launch.nnodes": "2", "launch.node_rank": "1",
+                                                    "launch.rdzv_endpoint": "node0:29500"})
+    assert code == 0 and "node_rank" not in yaml.safe_load(out.read_text())["launch"]
 
 
 def test_a_mistake_reads_the_same_from_config_and_launch(tmp_path):

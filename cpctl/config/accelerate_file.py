@@ -13,8 +13,10 @@ The keys are accelerate 1.15's (accelerate/commands/config/config_args.py and th
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
+from cpctl.config.schema import KEYS
 from cpctl.errors import CpctlError
 
 # Top-level keys only accelerate's files have: one of them marks a file as accelerate's.
@@ -35,6 +37,38 @@ FSDP_PASSED_OVER = {
     "fsdp_state_dict_type": ("SHARDED_STATE_DICT",),  # accelerate's default for FSDP2, which cpctl keeps
     "fsdp_sharding_strategy": None, "fsdp_min_num_params": None,
 }
+
+
+@dataclass(frozen=True)
+class ParallelismSetting:
+    """One of accelerate's ParallelismConfig settings, the same in both of its spellings:
+    `parallelism_config_<name>` in its config file, `--parallelism-config-<name>` on `accelerate
+    launch` (cpctl.launch.accelerate_flags builds its aliases from these)."""
+
+    name: str
+    path: str | None  # the profile key it sets; None: nothing to set (what it asks is what cpctl does)
+    allowed: tuple[str, ...] = ()  # with nothing to set: the values that ask for what cpctl does (none: any)
+    meaning: str = ""  # what it means to cpctl, where the key alone does not say it
+
+
+_DEEPSPEED_KNOWS = "what DeepSpeed's Ulysses needs to know in advance; cpctl's takes each batch's length"
+PARALLELISM: tuple[ParallelismSetting, ...] = (
+    ParallelismSetting("dp_replicate_size", "parallelism.dp_replicate_size"),
+    ParallelismSetting("dp_shard_size", "parallelism.dp_shard_size"),
+    ParallelismSetting("tp_size", "parallelism.tp_size"),
+    ParallelismSetting("cp_size", "parallelism.cp_size"),
+    ParallelismSetting("cp_comm_strategy", "parallelism.cp_comm_strategy"),
+    ParallelismSetting("sp_size", "parallelism.sp_size", meaning="sets parallelism.sp_size, as --sp-size does: "
+                       "accelerate's DeepSpeed Ulysses becomes cpctl's, on FSDP2"),
+    ParallelismSetting("sp_attn_implementation", None, allowed=("sdpa",),
+                       meaning="sdpa: how cpctl computes attention at every cp and sp size"),
+    ParallelismSetting("cp_backend", None, allowed=("torch",),
+                       meaning="torch: accelerate's only backend for CP, the one cpctl configures"),
+    ParallelismSetting("sp_backend", None, allowed=("deepspeed",),
+                       meaning="deepspeed: accelerate's only backend for sp; cpctl runs that Ulysses itself, on FSDP2"),
+    ParallelismSetting("sp_seq_length", None, meaning=_DEEPSPEED_KNOWS),
+    ParallelismSetting("sp_seq_length_is_variable", None, meaning=_DEEPSPEED_KNOWS),
+)
 DISTRIBUTED = ("NO", "MULTI_GPU", "MULTI_CPU", "FSDP")
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -82,7 +116,8 @@ def values(tree: Mapping[str, Any], *, source: str) -> dict[str, Any]:
                          "divide among them")
         out["launch.nproc_per_node"] = total // machines
     if machines > 1:
-        out["launch.node_rank"] = int(tree.get("machine_rank", 0) or 0)
+        if tree.get("machine_rank") is not None:  # absent: the file does not say which machine it is for
+            out["launch.node_rank"] = int(tree["machine_rank"])
         if tree.get("main_process_ip"):
             out["launch.rdzv_endpoint"] = f"{tree['main_process_ip']}:{tree.get('main_process_port') or 29500}"
     if tree.get("use_cpu") is True:
@@ -96,7 +131,7 @@ def values(tree: Mapping[str, Any], *, source: str) -> dict[str, Any]:
         out["fsdp.mixed_precision"] = precision
 
     out.update(_fsdp(tree.get("fsdp_config") or {}, refuse=refuse))
-    out.update(_parallelism(tree.get("parallelism_config") or {}, refuse=refuse))
+    out.update(_parallelism(tree.get("parallelism_config") or {}, source=source, refuse=refuse))
     return out
 
 
@@ -122,25 +157,18 @@ def _fsdp(fsdp: Mapping[str, Any], *, refuse) -> dict[str, Any]:
     return out
 
 
-def _parallelism(parallelism: Mapping[str, Any], *, refuse) -> dict[str, Any]:
+def _parallelism(parallelism: Mapping[str, Any], *, source: str, refuse) -> dict[str, Any]:
     prefix = "parallelism_config_"
+    by_name = {setting.name: setting for setting in PARALLELISM}
     out: dict[str, Any] = {}
     for key, value in parallelism.items():
-        name = key.removeprefix(prefix)
-        if name in ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size"):
-            out[f"parallelism.{name}"] = int(value)
-        elif name == "cp_comm_strategy":
-            out["parallelism.cp_comm_strategy"] = str(value)
-        elif name == "cp_backend":
-            if str(value) != "torch":
-                raise refuse(f"parallelism_config.{key}: {value}", "cpctl computes CP itself (backend torch); "
-                             "remove it or set it to torch")
-        elif name == "sp_size":
-            if int(value) > 1:
-                raise refuse(f"parallelism_config.{key}: {value}", "DeepSpeed sequence parallelism is not cpctl's; "
-                             "set parallelism_config_cp_size instead")
-        elif name.startswith("sp_"):
-            continue  # DeepSpeed SP's own settings, unused at sp_size 1
-        else:
-            raise refuse(f"parallelism_config.{key}: a parallelism setting cpctl does not know", "remove it")
+        setting = by_name.get(key.removeprefix(prefix))
+        where = f"parallelism_config.{key}"
+        if setting is None:
+            raise refuse(f"{where}: a parallelism setting cpctl does not know", "remove it")
+        if setting.path is not None:
+            out[setting.path] = KEYS[setting.path].parse(value, source=f"{source}: {where}")  # as the flag's
+        elif setting.allowed and value is not None and str(value) not in setting.allowed:
+            raise refuse(f"{where}: {value}", f"expected {' or '.join(setting.allowed)} ({setting.meaning}); "
+                         f"set it to {setting.allowed[0]} or remove it")
     return out

@@ -37,6 +37,12 @@ class Layer:
         return cls(dict(values), {path: source for path in values})
 
 
+class MachineSource(str):
+    """The name of a source that speaks for this machine alone (a flag, a CPCTL_ variable, SLURM,
+    the machine_rank of accelerate's config file, which accelerate writes per machine), unlike a
+    profile that every machine of a job shares. Only such a node rank picks the rendezvous host."""
+
+
 def suggest(name: str, known: Iterable[str], *, kind: str = "keys") -> str:
     close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
     return f"; did you mean {close[0]}?" if close else f"; known {kind}: {', '.join(sorted(known))}"
@@ -60,9 +66,8 @@ def tree_layer(tree: Any, source: str) -> Layer:
                 if sub not in known:
                     raise CpctlError(f"{source}: {name}.{shown(sub)[1:-1]}: unknown key{suggest(str(sub)[:40], known)}")
         elif name in RETIRED:
-            accepted, why = RETIRED[name]
-            if value != accepted:
-                raise CpctlError(f"{source}: {name}: {value}: a retired key; {why}")
+            if value != RETIRED[name].accepted:
+                raise CpctlError(f"{source}: {name}: {value}: a retired key; {RETIRED[name].reason}; delete the line")
         elif name not in KEYS:
             raise CpctlError(f"{source}: {shown(name)[1:-1]}: unknown key{suggest(str(name)[:40], list(KEYS) + list(SECTIONS))}")
     values = flatten({name: value for name, value in tree.items()
@@ -138,10 +143,14 @@ def file_layer(path: str | Path, label: str | None = None) -> Layer:
     from cpctl.config.schema import to_tree
 
     tree = read_yaml(path)
-    if accelerate_file.is_accelerate_config(tree):
-        tree = to_tree(accelerate_file.values(tree, source=str(path)))
-    layer = tree_layer(tree, str(path))
-    return Layer.of(layer.values, label) if label else layer
+    if not accelerate_file.is_accelerate_config(tree):
+        layer = tree_layer(tree, str(path))
+        return Layer.of(layer.values, label) if label else layer
+    layer = tree_layer(to_tree(accelerate_file.values(tree, source=str(path))), str(path))
+    sources = {key: label or str(path) for key in layer.values}
+    if "launch.node_rank" in sources:  # its machine_rank: this machine's own
+        sources["launch.node_rank"] = MachineSource(sources["launch.node_rank"])
+    return Layer(layer.values, sources)
 
 
 def _unquoted_no(tree: Any) -> Any:
@@ -206,7 +215,7 @@ class FlagText(str):
 
 def flag_layer(flags: Mapping[str, Any]) -> Layer:
     given = {p: v for p, v in flags.items() if v is not None}
-    return text_layer(given, source_of=lambda k: getattr(given[k.path], "source", f"flag {k.flag}"))
+    return text_layer(given, source_of=lambda k: MachineSource(getattr(given[k.path], "source", f"flag {k.flag}")))
 
 
 def env_layer(environ: Mapping[str, str]) -> Layer:
@@ -215,17 +224,18 @@ def env_layer(environ: Mapping[str, str]) -> Layer:
     from cpctl.failure_report import ERROR_DIR_ENV_VAR
 
     internal = {PROFILE_ENV_VAR, ERROR_DIR_ENV_VAR}  # what cpctl launch hands its workers
-    for name, (accepted, why) in RETIRED.items():
-        value = environ.get(f"CPCTL_{name.upper()}")
-        if value is not None and value != accepted:
-            raise CpctlError(f"environment: CPCTL_{name.upper()}={value}: a retired key; {why.replace('the line', 'it')}")
-    retired = {f"CPCTL_{name.upper()}" for name in RETIRED}
+    for retired_key in RETIRED.values():
+        value = environ.get(retired_key.env_var)
+        if value is not None and value != retired_key.accepted:
+            raise CpctlError(f"environment: {retired_key.env_var}={value}: a retired key; {retired_key.reason}; "
+                             "unset it")
+    retired = {retired_key.env_var for retired_key in RETIRED.values()}
     unknown = [name for name in environ
                if name.startswith("CPCTL_") and name not in by_var and name not in internal and name not in retired]
     if unknown:
         raise CpctlError(f"environment: {unknown[0]}: unknown variable{suggest(unknown[0], by_var, kind='variables')}")
     return text_layer({by_var[name]: text for name, text in environ.items() if name in by_var},
-                      source_of=lambda k: f"env {k.env_var}")
+                      source_of=lambda k: MachineSource(f"env {k.env_var}"))
 
 
 def slurm_layer(environ: Mapping[str, str]) -> Layer:
@@ -241,7 +251,7 @@ def slurm_layer(environ: Mapping[str, str]) -> Layer:
     nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
     if nodelist and nnodes and nnodes.strip().isdigit() and int(nnodes) > 1:
         texts["launch.rdzv_endpoint"] = f"{first_slurm_host(nodelist)}:{DEFAULT_RDZV_PORT}"
-    return text_layer(texts, source_of=lambda k: "SLURM")
+    return text_layer(texts, source_of=lambda k: MachineSource("SLURM"))
 
 
 def first_slurm_host(nodelist: str) -> str:

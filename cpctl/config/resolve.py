@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import cpctl.config.layers as L
-from cpctl.config.rules import Machine, detect_machine, fill_auto, first_problem, target_machine
+from cpctl.config.rules import AutoChoice, Machine, detect_machine, fill_auto, first_problem, target_machine
 from cpctl.config.schema import AUTO, DEFAULTS, KEYS, Flat, Profile
 from cpctl.errors import CpctlError
 
@@ -33,6 +33,11 @@ class Resolved:
 
     def rows(self) -> list[tuple[str, Any, str]]:
         return [(path, self.profile.get(path), self.sources.get(path, "default")) for path in KEYS]
+
+    def auto_reason(self, path: str) -> str | None:
+        """Why `auto` chose the value at `path`; None when it was not auto's choice."""
+        source = self.sources.get(path)
+        return source.reason if isinstance(source, AutoChoice) else None
 
 
 def user_layers(*, config: str | Path | None = None, profile_name: str | None = None,

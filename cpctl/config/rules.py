@@ -27,6 +27,18 @@ def gpus(count: int) -> str:
     return f"{count} GPU{'' if count == 1 else 's'}"
 
 
+class AutoChoice(str):
+    """The source of a value `auto` chose: shown as "auto (REASON)", its reason kept as data
+    (Resolved.auto_reason), so that nothing has to read it back out of the text."""
+
+    reason: str
+
+    def __new__(cls, reason: str) -> AutoChoice:
+        made = super().__new__(cls, f"auto ({reason})")
+        made.reason = reason
+        return made
+
+
 @dataclass(frozen=True)
 class Machine:
     """What `auto` values resolve against. Filled without importing torch."""
@@ -50,8 +62,10 @@ def target_machine(values: Mapping[str, Any], *, detected: Machine) -> tuple[Mac
     node, whatever this machine has (how `check --static` validates it on a CPU box)."""
     device = values.get("launch.device", AUTO)
     nproc = values.get("launch.nproc_per_node", AUTO)
+    nnodes = values.get("launch.nnodes", 1)
+    several = isinstance(nnodes, int) and nnodes > 1  # each of them such a machine
     if device == "cpu":
-        return Machine(cuda_devices=0), "a CPU machine"
+        return Machine(cuda_devices=0), f"{nnodes} CPU machines" if several else "a CPU machine"
     if device == "cuda":
         if isinstance(nproc, int):
             count, why = nproc, "as the profile asks"
@@ -61,7 +75,8 @@ def target_machine(values: Mapping[str, Any], *, detected: Machine) -> tuple[Mac
             count = STATIC_GPUS_PER_NODE
             why = (f"nproc_per_node auto and no GPU visible here: a node of {count} assumed; "
                    "pass --nproc-per-node N for another")
-        return Machine(cuda_devices=count), f"a node with {gpus(count)} ({why})"
+        nodes = f"{nnodes} nodes with {gpus(count)} each" if several else f"a node with {gpus(count)}"
+        return Machine(cuda_devices=count), f"{nodes} ({why})"
     return detected, f"this machine ({gpus(detected.cuda_devices)} visible; device auto)"
 
 
@@ -85,16 +100,16 @@ def fill_auto(values: Mapping[str, Any], *, machine: Machine, script: ScriptUse 
         else:
             api, reason = "cpctl", "no script to read"
         filled["launch.script_api"] = api
-        why["launch.script_api"] = f"auto ({reason})"
+        why["launch.script_api"] = AutoChoice(reason)
     device = filled.get("launch.device")
     if device == AUTO:
         device = filled["launch.device"] = "cuda" if machine.cuda_devices > 0 else "cpu"
-        why["launch.device"] = f"auto ({gpus(machine.cuda_devices)} visible)"
+        why["launch.device"] = AutoChoice(f"{gpus(machine.cuda_devices)} visible")
     if filled.get("launch.nproc_per_node") == AUTO and device in ("cuda", "cpu"):
         count = machine.cuda_devices if device == "cuda" else CPU_DEFAULT_NPROC
         if count > 0:
             filled["launch.nproc_per_node"] = count
-            why["launch.nproc_per_node"] = "auto (visible GPUs)" if device == "cuda" else f"auto ({count} on cpu)"
+            why["launch.nproc_per_node"] = AutoChoice("visible GPUs") if device == "cuda" else AutoChoice(f"{count} on cpu")
     if filled.get("parallelism.sp_size") == AUTO:
         _split_sequence(filled, why, sources=sources or {})
     sizes = [filled.get(f"parallelism.{name}") for name in ("dp_replicate_size", "cp_size", "sp_size", "tp_size")]
@@ -103,10 +118,10 @@ def fill_auto(values: Mapping[str, Any], *, machine: Machine, script: ScriptUse 
         others = sizes[0] * sizes[1] * sizes[2] * sizes[3]
         if world % others == 0:
             filled["parallelism.dp_shard_size"] = world // others
-            why["parallelism.dp_shard_size"] = f"auto (world {world} / {others})"
+            why["parallelism.dp_shard_size"] = AutoChoice(f"world {world} / {others}")
     if filled.get("fsdp.mixed_precision") == AUTO and device in ("cuda", "cpu"):
         filled["fsdp.mixed_precision"] = "bf16" if device == "cuda" else "no"
-        why["fsdp.mixed_precision"] = f"auto ({device})"
+        why["fsdp.mixed_precision"] = AutoChoice(device)
     return filled, why
 
 
@@ -123,7 +138,7 @@ def _split_sequence(filled: Flat, why: dict[str, str], *, sources: Mapping[str, 
     shape = load_model(model)
     layout = choose_layout(shape, seq_ranks=ranks, ranks_per_node=nproc, tp=tp)
     filled["parallelism.sp_size"], filled["parallelism.cp_size"] = layout.sp, layout.cp
-    why["parallelism.sp_size"] = f"auto ({shape.name}: {layout.reason})"
+    why["parallelism.sp_size"] = AutoChoice(f"{shape.name}: {layout.reason}")
     given = sources.get("parallelism.cp_size", "default")
     why["parallelism.cp_size"] = f"{given}: {ranks} ranks per sequence, split by sp_size auto into sp {layout.sp} x cp {layout.cp}"
 

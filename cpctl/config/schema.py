@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cpctl.errors import CpctlError
+from cpctl.planner.shapes import PRESETS  # torch-free: the planner's arithmetic, no model code
 from cpctl.strategy import Strategy
 
 AUTO = "auto"
@@ -114,7 +115,7 @@ def _model(value: Any) -> bool:
     return value is None or (isinstance(value, str) and bool(value.strip()))
 
 
-MODEL = Kind("a preset (tiny, 1b, llama-3.2-1b, llama-3.2-3b, llama-3.1-8b), a Hugging Face config.json or its "
+MODEL = Kind(f"a preset ({', '.join(PRESETS)}), a Hugging Face config.json or its "
              "directory, or null", _model,
              lambda text: None if text.strip().lower() in ("", "null", "none") else text.strip())
 
@@ -228,8 +229,8 @@ class Launch:
     nnodes: int = key(integer(minimum=1), 1, "machines", prompt="Machines (nnodes)")
     nproc_per_node: int = key(integer(minimum=1, auto=True), AUTO, "worker processes per machine",
                               prompt="Processes per machine (nproc_per_node)")
-    node_rank: int = key(integer(minimum=0), 0, "this machine's index among nnodes; 0 hosts the rendezvous",
-                         prompt="This machine's node_rank (0 on the machine that hosts the rendezvous)")
+    # Not asked by `cpctl config`: a profile is shared by every machine, the node rank is each one's own.
+    node_rank: int = key(integer(minimum=0), 0, "this machine's index among nnodes; 0 hosts the rendezvous")
     rdzv_endpoint: str | None = key(ENDPOINT, None, "rendezvous address for several machines",
                                     prompt="Rendezvous endpoint, host:port of the node_rank-0 machine")
     max_restarts: int = key(integer(minimum=0), 0, "times the elastic agent restarts failed workers")
@@ -287,11 +288,38 @@ class Profile:
         return cls(**{path: values[path] for path in KEYS if "." not in path}, **sections)
 
 
-# Keys profiles once had, with the one value still read (as nothing to do) and why the key went.
-RETIRED: dict[str, tuple[Any, str]] = {
-    "attention": ("sdpa", "cpctl computes attention through SDPA at every cp and sp size (a Hugging Face model "
-                          "needs attn_implementation='sdpa'); delete the line"),
-}
+def flag_of(name: str) -> str:
+    """`cp_size` -> `--cp-size`: a key's flag."""
+    return "--" + name.replace("_", "-")
+
+
+def env_var_of(name: str) -> str:
+    """`cp_size` -> `CPCTL_CP_SIZE`: a key's environment variable."""
+    return "CPCTL_" + name.upper()
+
+
+@dataclass(frozen=True)
+class Retired:
+    """A key profiles once had: the one value still read (as nothing to do), and why the key went.
+    `reason` says no more than why: each source (file, variable, flag) adds how to drop it there."""
+
+    name: str
+    accepted: Any
+    reason: str
+
+    @property
+    def flag(self) -> str:
+        return flag_of(self.name)
+
+    @property
+    def env_var(self) -> str:
+        return env_var_of(self.name)
+
+
+RETIRED: dict[str, Retired] = {retired.name: retired for retired in (
+    Retired("attention", "sdpa", "cpctl computes attention through SDPA at every cp and sp size (a Hugging Face "
+                                 "model needs attn_implementation='sdpa')"),
+)}
 
 SECTIONS: dict[str, type] = {"parallelism": Parallelism, "fsdp": Fsdp, "memory": Memory, "launch": Launch}
 
@@ -321,11 +349,11 @@ class Key:
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return flag_of(self.name)
 
     @property
     def env_var(self) -> str:
-        return "CPCTL_" + self.name.upper()
+        return env_var_of(self.name)
 
     @property
     def allowed(self) -> str:

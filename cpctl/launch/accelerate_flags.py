@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from cpctl.config import KEYS
+from cpctl.config.accelerate_file import PARALLELISM
 from cpctl.config.layers import FlagText
 from cpctl.errors import CpctlError
 
@@ -50,15 +51,8 @@ class Alias:
 NUM_PROCESSES, MAIN_PROCESS_IP, MAIN_PROCESS_PORT = "--num-processes", "--main-process-ip", "--main-process-port"
 
 ALIASES: tuple[Alias, ...] = (
-    Alias("--parallelism-config-dp-replicate-size", "parallelism.dp_replicate_size"),
-    Alias("--parallelism-config-dp-shard-size", "parallelism.dp_shard_size"),
-    Alias("--parallelism-config-tp-size", "parallelism.tp_size"),
-    Alias("--parallelism-config-cp-size", "parallelism.cp_size"),
-    Alias("--parallelism-config-cp-comm-strategy", "parallelism.cp_comm_strategy"),
-    Alias("--parallelism-config-sp-size", "parallelism.sp_size", meaning="sets parallelism.sp_size, as --sp-size does: "
-          "accelerate's DeepSpeed Ulysses becomes cpctl's, on FSDP2"),
-    Alias("--parallelism-config-sp-attn-implementation", None, allowed=("sdpa",),
-          meaning="sdpa: how cpctl computes attention at every cp and sp size"),
+    *(Alias(f"--parallelism-config-{setting.name.replace('_', '-')}", setting.path, allowed=setting.allowed,
+            meaning=setting.meaning) for setting in PARALLELISM),  # the same settings as in accelerate's config file
     Alias(NUM_PROCESSES, "launch.nproc_per_node", meaning="the processes of all machines together: "
           "nproc_per_node = N / machines"),
     Alias("--num-machines", "launch.nnodes"),
@@ -79,14 +73,6 @@ ALIASES: tuple[Alias, ...] = (
     Alias("--use-fsdp", None, switch="true", meaning="what cpctl always does (FSDP2, fsdp.version)"),
     Alias("--use-parallelism-config", None, switch="true",
           meaning="what cpctl always does (the profile's sizes are accelerate's ParallelismConfig)"),
-    Alias("--parallelism-config-cp-backend", None, allowed=("torch",),
-          meaning="torch: accelerate's only backend for CP, the one cpctl configures"),
-    Alias("--parallelism-config-sp-backend", None, allowed=("deepspeed",),
-          meaning="deepspeed: accelerate's only backend for sp; cpctl runs that Ulysses itself, on FSDP2"),
-    Alias("--parallelism-config-sp-seq-length", None,
-          meaning="what DeepSpeed's Ulysses needs to know in advance; cpctl's takes each batch's length"),
-    Alias("--parallelism-config-sp-seq-length-is-variable", None,
-          meaning="what DeepSpeed's Ulysses needs to know in advance; cpctl's takes each batch's length"),
 )
 BY_NAME: dict[str, Alias] = {alias.name: alias for alias in ALIASES}
 

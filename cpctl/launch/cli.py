@@ -180,9 +180,9 @@ def _suggest_flag(text: str) -> str:
     known = [spec.flag for spec in PROFILE_FLAGS] + ["--config", "--profile", "--dry-run", "--module"]
     known += [alias.name for alias in ALIASES if alias.name not in known]
     name = text.split("=")[0]
-    retired = RETIRED.get(name.removeprefix("--").replace("-", "_"))
+    retired = next((key for key in RETIRED.values() if key.flag == name), None)
     if retired is not None:
-        return f": a retired key; {retired[1].replace('the line', 'the flag')}"
+        return f": a retired key; {retired.reason}; drop the flag"
     # an abbreviation (`--nproc`) means the option it starts; else the closest spelling
     started = [flag for flag in known if flag.startswith(name)] if len(name) > 3 else []
     close = started[:1] if len(started) == 1 else difflib.get_close_matches(name, known, n=1, cutoff=0.6)

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cpctl.config import PROFILE_ENV_VAR, Profile, Resolved
+from cpctl.config.layers import MachineSource
 from cpctl.errors import CpctlError, LaunchError
 from cpctl.failure_report import ERROR_DIR_ENV_VAR, TRACEBACK_GLOB
 from cpctl import versions
@@ -65,9 +66,10 @@ class LaunchPlan:
 
 
 def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], module: bool,
-                  node_rank_given: bool = True) -> list[str]:
+                  node_rank_of_this_machine: bool = True) -> list[str]:
     """The torchrun argv for a resolved profile (every value explicit: no torchrun default is relied on).
-    `node_rank_given`: the node rank came from a flag, a variable, SLURM or a profile, not the default."""
+    `node_rank_of_this_machine`: this machine was given its node rank (a flag, a CPCTL_ variable,
+    SLURM, an accelerate config file's machine_rank), not the default nor a profile every machine shares."""
     launch = profile.launch
     argv = [
         f"--nnodes={launch.nnodes}",
@@ -80,9 +82,10 @@ def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], 
         # torchrun honours --node-rank only for its static backend; c10d numbers the machines itself
         # when they join (sorted by host name). What a given node_rank decides is which machine hosts
         # the rendezvous store, c10d's is_host: node_rank 0, so no other one guesses from its host
-        # name. A node rank left at its default says nothing: c10d's own rule (the endpoint's host) then.
+        # name. A node rank not given to this machine says nothing (a profile's is the same on every
+        # machine): c10d's own rule (the endpoint's host) then.
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}"]
-        if node_rank_given:
+        if node_rank_of_this_machine:
             argv.append(f"--rdzv-conf=is_host={'true' if launch.node_rank == 0 else 'false'}")
     argv.append(f"--tee={TEE_ALL}")  # tee'd output is what torchrun prefixes with the rank
     # `--` ends torchrun's options: its parser would otherwise read the script's own options
@@ -129,7 +132,8 @@ def prepare(
         target_args=tuple(target_args),
         module=module,
         torchrun_args=tuple(torchrun_args(profile, target=target, target_args=target_args, module=module,
-                                          node_rank_given=resolved.sources.get("launch.node_rank", "default") != "default")),
+                                          node_rank_of_this_machine=isinstance(resolved.sources.get("launch.node_rank"),
+                                                                               MachineSource))),
         env=worker_env(profile, environ=environ),
     )
 

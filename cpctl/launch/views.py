@@ -99,7 +99,7 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
             legend.add_row(name, how)
         out.print(legend)
     if estimate.host_bytes:
-        per_machine = setup.gpus_per_node
+        per_machine = setup.workers_per_node
         gpus = f"{per_machine} GPU{'s' if per_machine > 1 else ''} x " if per_machine > 1 else ""
         line = (f"host memory per machine: {gpus}({estimate.host_bytes / gib:.1f} GiB offloaded at its exact size + "
                 f"~{planner.WORKER_HOST_GIB:g} GiB a worker) = {estimate.host_needed / gib:.1f} GiB")
@@ -174,11 +174,11 @@ def note_without_cp(profile) -> None:
 
 def auto_split(resolved) -> str | None:
     """The split sp_size auto chose, and why, in one line (None when sp_size was not auto)."""
-    source = resolved.sources.get("parallelism.sp_size", "")
-    if not source.startswith("auto ("):
+    reason = resolved.auto_reason("parallelism.sp_size")
+    if reason is None:
         return None
     par = resolved.profile.parallelism
-    return f"sp_size auto: sp {par.sp_size} x cp {par.cp_size}, for {source[len('auto ('):-1]}"
+    return f"sp_size auto: sp {par.sp_size} x cp {par.cp_size}, for {reason}"
 
 
 def ulysses_note(profile) -> str | None:
@@ -222,7 +222,8 @@ def print_launch_plan(plan: LaunchPlan, *, target: str, problem_here: str | None
     for note in notes:
         out.print(f"[dim]{escape(note)}[/]", soft_wrap=True)
     api, source = resolved.profile.launch.script_api, resolved.sources.get("launch.script_api", "default")
-    why = f"auto: {source[len('auto ('):-1]}" if source.startswith("auto (") else source
+    reason = resolved.auto_reason("launch.script_api")
+    why = source if reason is None else f"auto: {reason}"
     out.print(f"[bold]Script[/]: {SCRIPT_APIS[api]} (launch.script_api {api}; {escape(why)})", soft_wrap=True)
     memory = resolved.profile.memory
     if resolved.profile.fsdp.activation_checkpointing and memory.checkpoint_level == "mixed":

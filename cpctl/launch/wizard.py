@@ -185,8 +185,7 @@ def _ask_all(ask: _Asker) -> None:
     ask.select("launch.device", default=AUTO, extra={AUTO: f"auto  cuda if a GPU is visible ({here})"})
 
     ask.text("launch.nnodes", default=1)
-    if answers["launch.nnodes"] > 1:
-        ask.text("launch.node_rank", default=0)
+    if answers["launch.nnodes"] > 1:  # no node_rank: each machine gives its own at launch (launch_command)
         ask.text("launch.rdzv_endpoint", default=None)
 
     device = _filled(answers, machine)[0]["launch.device"]
@@ -241,7 +240,7 @@ def _ask_all(ask: _Asker) -> None:
             if answers["fsdp.activation_checkpointing"]:
                 ask.confirm("memory.offload_activations", default=False)
             ask.confirm("memory.cpu_offload", default=False)
-    placed = set(answers) | {"model", "launch.node_rank", "launch.rdzv_endpoint", "parallelism.cp_comm_strategy",
+    placed = set(answers) | {"model", "launch.rdzv_endpoint", "parallelism.cp_comm_strategy",
                              "parallelism.cp_load_balance", "memory.checkpoint_level", "memory.selective_blocks",
                              "parallelism.cp_engine",
                              *MEMORY_OPTIONS}
@@ -380,7 +379,11 @@ def run_config(
     output = Path(output)
     machine = config.detect_machine() if machine is None else machine
     interactive = (sys.stdin.isatty() if interactive is None else interactive) and not assume_yes
-    presets = dict(presets or {})  # answers from a file (an accelerate config), below the flags
+    if "launch.node_rank" in flags:
+        raise CpctlError(f"{KEYS['launch.node_rank'].flag}: a profile is shared by every machine, and each machine "
+                         f"has its own node rank; give it at launch: {launch_command(output, nnodes=2)}")
+    # answers from a file (an accelerate config), below the flags; its machine_rank is that machine's alone
+    presets = {path: text for path, text in (presets or {}).items() if path != "launch.node_rank"}
     answers = _flag_answers({**presets, **flags}, machine)
     if output.is_dir():
         raise CpctlError(f"--output {output} is a directory; pass a file path such as {output / DEFAULT_OUTPUT}")

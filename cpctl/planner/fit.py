@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,10 +81,10 @@ class Estimate:
     @property
     def host_needed(self) -> float:
         """Host memory per machine for what its workers keep there (0 without offload options): each
-        GPU's offloaded tensors plus WORKER_HOST_GIB, times the GPUs of a machine."""
+        GPU's offloaded tensors plus WORKER_HOST_GIB, times the workers of a machine."""
         if not self.host_bytes:
             return 0.0
-        return self.setup.gpus_per_node * (self.host_bytes + WORKER_HOST_GIB * GiB)
+        return self.setup.workers_per_node * (self.host_bytes + WORKER_HOST_GIB * GiB)
 
     @property
     def fits_host(self) -> bool:
@@ -171,14 +172,17 @@ def longest_fitting(model: ModelShape, setup: Setup, *, gpu_memory_gib: float = 
     return low * unit
 
 
-def gpus_needed(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
-                host_memory_gib: float | None = None) -> Estimate | None:
-    """The smallest power-of-two GPU count (all on CP) on which `seq_len` fits, or None."""
+def gpus_needed(model: ModelShape, setup: Setup, seq_len: int, *,
+                setup_for: Callable[[int], Setup | None] | None = None,
+                gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB, host_memory_gib: float | None = None) -> Estimate | None:
+    """The smallest power-of-two GPU count on which `seq_len` fits, or None. `setup_for(gpus)`
+    builds the setup for a count (None: that count is not searched); the default puts all of them on CP."""
+    setup_for = setup.with_cp if setup_for is None else setup_for
     gpus = 1
     while gpus <= MAX_GPUS:
-        if seq_len * setup.batch >= gpus:
-            found = estimate(model, setup.with_cp(gpus), seq_len, gpu_memory_gib=gpu_memory_gib,
-                             host_memory_gib=host_memory_gib)
+        candidate = setup_for(gpus) if seq_len * setup.batch >= gpus else None
+        if candidate is not None:
+            found = estimate(model, candidate, seq_len, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib)
             if found.fits:
                 return found
         gpus *= 2

@@ -5,11 +5,11 @@ The one place that decides it: `parallelism.sp_size: auto` at launch (config/rul
 
 Ulysses trades a sequence shard for a head shard with one all-to-all each way per attention
 call, then runs attention over the whole sequence for 1/sp of the heads: one kernel call, no
-blocks to merge. Its local part is up to 1.7x faster than a ring rank's and within 1% of it
-from 32k tokens per rank on (H200, bf16, 32/8 heads of 128, one rank's share of an 8-way split
-emulated on one GPU: 2.8 ms against the ring's 4.7 at 16k tokens, 7.3 against 10.0 at 32k, 114
-against 119 at 128k; docs/benchmarks.md), but its all-to-all is not hidden behind compute, so
-it wants NVLink: it stays inside a node. The ring
+blocks to merge. Its local part is faster than a ring rank's, by less as each rank's share
+grows: 1.7x at 2k tokens per rank, 4% at 16k, even at 32k (H200, bf16, 32/8 heads of 128, one
+rank's share of an N-way split emulated on one GPU, docs/benchmarks.md: at N = 8, 2.8 ms against
+the ring's 4.7 at 16k tokens, 114 against 119 at 128k; at N = 4, 229 against 227 at 128k). But
+its all-to-all is not hidden behind compute, so it wants NVLink: it stays inside a node. The ring
 moves K/V between neighbours and hides that behind compute while each rank has enough tokens,
 so it takes what crosses nodes. Hence: Ulysses as wide as the node and the heads allow (sp
 must divide the q heads of a tp rank), the ring over the rest.

@@ -9,7 +9,6 @@ from typing import Any
 
 from cpctl.planner.advice import Suggestion, suggestions
 from cpctl.planner.fit import (
-    MAX_GPUS,
     ALLOCATOR_HEADROOM,
     CUDA_OVERHEAD_GIB,
     DEFAULT_GPU_MEMORY_GIB,
@@ -73,18 +72,23 @@ def make_plan(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: 
     longest = [(gpus, longest_fitting(model, setup.with_cp(gpus), **memory),
                 longest_fitting(model, better.with_cp(gpus), **memory) if free else None)
                for gpus in GPU_COUNTS]
-    layouts = [(gpus, choose_layout(model, seq_ranks=gpus)) for gpus in GPU_COUNTS]
-    sp_layouts = [(gpus, lay) for gpus, lay in layouts if lay.sp > 1]
-    longest_sp = [(gpus, lay, longest_fitting(model, setup.with_sp(gpus, lay.sp), **memory)) for gpus, lay in sp_layouts]
-    # the fewest GPUs as sp x cp, searched as far as the ring's (gpus_needed)
-    counts = [2 ** n for n in range(MAX_GPUS.bit_length()) if 2 ** n <= min(MAX_GPUS, seq_len * setup.batch)]
-    searched = ((gpus, choose_layout(model, seq_ranks=gpus)) for gpus in counts)
-    fitting_sp = (estimate(model, setup.with_sp(gpus, lay.sp), seq_len, **memory) for gpus, lay in searched if lay.sp > 1)
+
+    def split(gpus: int) -> Layout:
+        """How choose_layout splits `gpus` sequence ranks on this setup's machines (as sp_size auto does)."""
+        return choose_layout(model, seq_ranks=gpus, ranks_per_node=setup.gpus_per_node)
+
+    def ulysses(gpus: int) -> Setup | None:
+        """All `gpus` splitting sequences as `split` says; None where it chooses the ring alone."""
+        layout = split(gpus)
+        return setup.with_sp(gpus, layout.sp) if layout.sp > 1 else None
+
+    longest_sp = [(gpus, layout, longest_fitting(model, setup.with_sp(gpus, layout.sp), **memory))
+                  for gpus in GPU_COUNTS if (layout := split(gpus)).sp > 1]
     return Plan(
         model=model, estimate=base, longest_sp=longest_sp,
         layout=choose_layout(model, seq_ranks=setup.seq_ranks, ranks_per_node=setup.gpus_per_node, tp=setup.tp),
         suggestions=[] if base.fits else suggestions(base, available=available),
         longest=longest, needed=gpus_needed(model, setup, seq_len, **memory),
         needed_all=gpus_needed(model, better, seq_len, **memory) if free else None,
-        all_options=free, needed_sp=next((found for found in fitting_sp if found.fits), None),
+        all_options=free, needed_sp=gpus_needed(model, setup, seq_len, setup_for=ulysses, **memory),
     )

@@ -67,6 +67,11 @@ class Setup:
                                    gpus_per_node=min(gpus, max(self.gpus_per_node, 1)))
 
     @property
+    def workers_per_node(self) -> int:
+        """The workers of one machine, which share its host memory: no more than the GPUs of the setup."""
+        return max(1, min(self.gpus, self.gpus_per_node))
+
+    @property
     def seq_ranks(self) -> int:
         """How many GPUs split one sequence: cp x sp."""
         return self.cp * self.sp
@@ -167,6 +172,5 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
     shown = preview(flags={**flags, **extra}, config=config, profile_name=profile_name, environ=environ, cwd=cwd)
     setup = dataclasses.replace(Setup.from_profile(shown.resolved.profile, chunked_loss=chunked_loss, batch=batch),
                                 logits_kept=logits_kept)
-    split = shown.resolved.sources.get("parallelism.sp_size", "")
     return ResolvedSetup(setup, shown.target, note, model=shown.resolved.profile.model,
-                         split=split[len("auto ("):-1] if split.startswith("auto (") else None)
+                         split=shown.resolved.auto_reason("parallelism.sp_size"))

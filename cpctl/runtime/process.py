@@ -30,7 +30,7 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
-from cpctl.errors import CpctlError
+from cpctl.errors import CpctlError, first_line
 from cpctl.failure_report import ERROR_DIR_ENV_VAR, FailureReport, traceback_path
 
 _PREFIX_TEMPLATE_ENV_VAR = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
@@ -41,7 +41,8 @@ _PEER_LOST = ("connection closed by peer", "connection reset by peer", "connecti
               "remote process exited", "communicator was aborted")
 
 _FAILED = False  # an exception ended the script: peers may never reach the exit barrier
-_LEAVE_AT_ONCE = False  # ... one other than Ctrl-C: the process exits at once, its groups left as they are
+# ... one other than Ctrl-C, with peers: the process exits at once, its groups left as they are
+_LEAVE_AT_ONCE = False
 _EXIT_BARRIER_TIMEOUT = datetime.timedelta(seconds=30)
 
 
@@ -111,7 +112,9 @@ class _ExceptHook:
     def __call__(self, exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
         global _FAILED, _LEAVE_AT_ONCE
         _FAILED = True
-        _LEAVE_AT_ONCE = not issubclass(exc_type, KeyboardInterrupt)  # Ctrl-C ends as Python ends it
+        # Ctrl-C, and any failure of a process alone, ends as Python ends it (atexit handlers, the
+        # script's open files flushed): only peers mid-collective make the teardown abort.
+        _LEAVE_AT_ONCE = not issubclass(exc_type, KeyboardInterrupt) and _has_peers()
         if not os.environ.get(ERROR_DIR_ENV_VAR):  # not under cpctl launch: Python's traceback
             prefixed = _PREFIX_TEMPLATE_ENV_VAR in os.environ or self.torch is None
             (self.original if prefixed else self.torch)(exc_type, exc, tb)
@@ -126,17 +129,18 @@ class _ExceptHook:
 
 def summary(exc: BaseException) -> str:
     """One line: a CpctlError's own message; for anything else its type and first line."""
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     if isinstance(exc, CpctlError):
-        return " ".join(lines) or type(exc).__name__
+        return " ".join(line.strip() for line in str(exc).splitlines() if line.strip()) or type(exc).__name__
     kind = type(exc).__qualname__
     module = type(exc).__module__
     if module not in ("builtins", "__main__"):
         kind = f"{module}.{kind}"
-    first = lines[0] if lines else ""
-    if len(first) > 300:
-        first = first[:297] + "..."
+    first = first_line(str(exc))
     return f"{kind}: {first}" if first else kind
+
+
+def _has_peers() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def report_failure(exc: BaseException, tb: TracebackType | None) -> None:
@@ -170,7 +174,7 @@ def _who_stopped_answering(exc: BaseException) -> str:
     never join a new one.
     """
     text = str(exc).lower()
-    if ("timed out" not in text and "timeout" not in text) or not dist.is_initialized() or dist.get_world_size() == 1:
+    if ("timed out" not in text and "timeout" not in text) or not _has_peers():
         return ""
     waited = f"after {_COMM_TIMEOUT.total_seconds():.0f} s"
     try:
@@ -204,7 +208,7 @@ def _looks_like_a_lost_peer(exc: BaseException) -> bool:
 
 def _claim_first_failure(report: FailureReport) -> FailureReport | None:
     """Record this rank as the first to fail, unless another was: then return that one's report."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
+    if not _has_peers():
         return None
     try:
         store = dist.distributed_c10d._get_default_store()

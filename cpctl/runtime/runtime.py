@@ -133,7 +133,7 @@ class Runtime:
         return SequenceSplit(cp_size=self.cp_size, cp_rank=self.cp_rank, sp_size=self.sp_size, sp_rank=self.sp_rank,
                              load_balance=self.config.parallelism.cp_load_balance)
 
-    def _now(self) -> Step:
+    def _current_step(self) -> Step:
         """The step whose body runs, else the plain layout that holds outside any step."""
         if self._step is not None:
             return self._step
@@ -145,12 +145,12 @@ class Runtime:
     def ring_layout(self) -> ChunkLayout:
         """The chunks each cp rank holds this step: head-tail (or plain), or cost-balanced for packed
         documents. At cp_size 1 one chunk, the whole sequence: there is no other rank to balance against."""
-        return self._now().ring_layout
+        return self._current_step().ring_layout
 
     @property
     def layout(self) -> ChunkLayout:
         """The tokens this rank holds this step: the ring's chunks, each cut over the sp ranks (sp > 1)."""
-        return self._now().layout
+        return self._current_step().layout
 
     @property
     def cp_balance(self) -> float | None:
@@ -303,7 +303,7 @@ class Runtime:
     def _passes_masks(self) -> bool:
         """Whether an SDPA call with a tensor mask may run as it is: at cp_size 1 the mask covers the
         whole sequence, unless this step's documents would have to be added to it."""
-        return self.seq_size == 1 and self._now().documents is None
+        return self.seq_size == 1 and self._current_step().documents is None
 
     def prepare_dataloader(self, dataset, *, batch_size: int = 1, shuffle: bool = True, collate_fn=None,
                            seed: int = 0, **loader_kwargs) -> torch.utils.data.DataLoader:
@@ -322,7 +322,7 @@ class Runtime:
     def shard(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """This rank's (load-balanced) shard of a full-length tensor, as a new tensor
         (with cp_size 1: the tensor itself, which is its whole shard)."""
-        return self._now().shard(tensor, seq_dim=seq_dim)
+        return self._current_step().shard(tensor, seq_dim=seq_dim)
 
     def unshard(self, tensor: torch.Tensor, seq_dim: int) -> torch.Tensor:
         """Gather a sequence-sharded tensor back to full length, in original token order
@@ -345,7 +345,7 @@ class Runtime:
                 f"rank: {how}, which the plain layout outside the context does not know; use it inside the "
                 "context, or gather it after the context with the step the context yields "
                 "(`with rt.maybe_context_parallel(...) as step:`, then `step.unshard(tensor, seq_dim=...)`)")
-        return self._now()
+        return self._current_step()
 
     def _result_of(self, tensor: torch.Tensor, seq_dim: int) -> Step | None:
         """Outside any step: the latest step, when `tensor` may be its result and its layout is not the plain one."""
@@ -357,11 +357,11 @@ class Runtime:
     @property
     def padding(self) -> padding.EndPadding | None:
         """The tokens this step appended so that the layout divides its length (None: none, or outside a step)."""
-        return self._now().padding
+        return self._current_step().padding
 
     def appended_in_shard(self, local_len: int, *, device: torch.device | None = None) -> torch.Tensor | None:
         """Which of this rank's `local_len` tokens were appended by the step's padding (None: none)."""
-        return self._now().appended_in_shard(local_len, device=device or self.device)
+        return self._current_step().appended_in_shard(local_len, device=device or self.device)
 
     def hide_tail(self, reason: str) -> None:
         """Tokens at the end of this step's rows count for nothing: attention must stay causal (inside a step)."""
@@ -395,7 +395,7 @@ class Runtime:
 
     def step_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
         """`attention` with this step's packed documents: what routed calls inside the context get."""
-        step = self._now()
+        step = self._current_step()
         if step.tail_hidden is not None and not options.get("is_causal", False):
             raise CpctlError(f"attention that is not causal under context parallelism, and {step.tail_hidden}: "
                              "every token would see those at the end; make each row's length a multiple of "
@@ -501,7 +501,7 @@ class Runtime:
     def require_ignored_tail(self, labels: torch.Tensor, *, ignore_index: int = -100, what: str) -> None:
         """The appended tokens' labels must be ignored, or `what` would count them (on every CP rank together).
         After the context, labels that may be the latest step's are checked against its padding."""
-        step = self._result_of(labels, -1) or self._now()
+        step = self._result_of(labels, -1) or self._current_step()
         appended = step.appended_in_shard(labels.shape[-1], device=labels.device)
         if appended is None:
             return
