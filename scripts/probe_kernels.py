@@ -29,7 +29,7 @@ SHAPES = {"1b": (32, 8, 64), "8b": (32, 8, 128), "8b/sp8": (4, 1, 128), "8b/sp8 
 device = torch.device("cuda", torch.cuda.current_device())
 for name in kernels.CUDA_PREFERENCE:
     kernel = kernels.KERNELS[name]
-    print(name, "takes GQA itself:", kernels.takes_gqa(kernel, torch.bfloat16, 128, device))
+    print(name, "takes GQA itself (4 q heads to a K/V head):", kernels.takes_gqa(kernel, torch.bfloat16, 128, device, 4))
     with kernels.pinned_kernel(name):
         for label, (heads, kv_heads, head_dim) in SHAPES.items():
             seq = 128 * 1024

@@ -186,7 +186,7 @@ def test_a_kernel_that_takes_gqa_gets_k_v_at_their_own_heads() -> None:
 
     from cpctl.attention.kernels import KERNELS, block_backward, block_forward, seq_major, takes_gqa
 
-    assert takes_gqa(KERNELS["cpu_flash"], torch.bfloat16, 16, torch.device("cpu"))
+    assert takes_gqa(KERNELS["cpu_flash"], torch.bfloat16, 16, torch.device("cpu"), 2)
     q, k, v = (seq_major(t.detach()) for t in gqa_inputs())
     out, lse = block_forward(q, k, v, causal=True, scale=0.25)
     dout = torch.randn_like(out)

@@ -173,14 +173,15 @@ def _problem(name: str, dtype: torch.dtype, head_dim: int, device_index: int | N
     return verify(KERNELS[name], device=torch.device("cuda", device_index), dtype=dtype, head_dim=head_dim)
 
 
-def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim: int, kv_heads: int = 2) -> str | None:
-    """None if `kernel` gives SDPA's output and gradients on a small causal block of 2 query heads
-    and `kv_heads` K/V heads (1: the kernel's own GQA, K/V not widened), else why not."""
+def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim: int, heads: int = 2,
+           kv_heads: int = 2) -> str | None:
+    """None if `kernel` gives SDPA's output and gradients on a small causal block of `heads` query
+    heads and `kv_heads` K/V heads (fewer: the kernel's own GQA, K/V not widened), else why not."""
     gen = torch.Generator(device=device).manual_seed(0)
     # Seq-major views at an offset into a larger buffer: the layout the engine hands kernels.
     q, k, v, dout = (
         torch.randn(2, 320, heads, head_dim, device=device, dtype=dtype, generator=gen)[1:, 64:].transpose(1, 2)
-        for heads in (2, kv_heads, kv_heads, 2)
+        for heads in (heads, kv_heads, kv_heads, heads)
     )
     # The first call may come inside an autograd Function's forward, and inside a checkpointed
     # block: compute the reference with grad on and with identity saved-tensor hooks, so the
@@ -189,7 +190,7 @@ def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim
     # an SDPA call is routed to the CP engine, which would check its kernels again, in fp64.
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         ref_inputs = [t.double().requires_grad_() for t in (q, k, v)]
-        groups = 2 // kv_heads
+        groups = heads // kv_heads
         ref = _causal_attention_fp64(ref_inputs[0], expand_kv(ref_inputs[1], groups), expand_kv(ref_inputs[2], groups))
         ref.backward(dout.double())
     expected = [ref.detach(), *(t.grad for t in ref_inputs)]
@@ -210,11 +211,11 @@ def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim
 
 
 @functools.lru_cache(maxsize=None)
-def takes_gqa(kernel: Kernel, dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
-    """Whether `kernel` computes grouped-query attention itself (K/V with fewer heads than q, their
-    gradients back at that size): checked once, as `verify` checks a kernel. The widened K/V and
-    their gradients are 4 tensors of q's size in the backward, the largest part of it at long lengths."""
-    return verify(kernel, device=device, dtype=dtype, head_dim=head_dim, kv_heads=1) is None
+def takes_gqa(kernel: Kernel, dtype: torch.dtype, head_dim: int, device: torch.device, groups: int) -> bool:
+    """Whether `kernel` computes grouped-query attention itself (`groups` q heads to a K/V head, the
+    gradients back at K/V's size): checked once per group size, as `verify` checks a kernel. Widened,
+    K/V and their gradients are 4 tensors of q's size in the backward, its largest part at long lengths."""
+    return verify(kernel, device=device, dtype=dtype, head_dim=head_dim, heads=groups, kv_heads=1) is None
 
 
 def _causal_attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -257,7 +258,7 @@ def _widening(kernel: Kernel, q: torch.Tensor, k: torch.Tensor) -> int:
     """How many times K/V's heads are repeated for `kernel`: GQA's group size, or 1 where the
     kernel takes GQA itself. K/V travel with their own (fewer) heads either way."""
     groups = q.shape[1] // k.shape[1]
-    if groups == 1 or takes_gqa(kernel, q.dtype, q.shape[-1], q.device):
+    if groups == 1 or takes_gqa(kernel, q.dtype, q.shape[-1], q.device, groups):
         return 1
     return groups
 
