@@ -207,9 +207,9 @@ class Memory:
     tiled_mlp_tokens: int = key(integer(minimum=0), 0, "run each block's MLP over the sequence in tiles of this "
                                 "many tokens, recomputed per tile in backward (0: off)",
                                 prompt="Tiled MLP: tokens per tile, each recomputed in backward")
-    tiled_norm_tokens: int = key(integer(minimum=0), 0, "run each block's LayerNorm/RMSNorm layers over the sequence "
-                                 "in tiles of this many tokens, recomputed per tile in backward: their fp32 copies and "
-                                 "backward exist for one tile (0: off)",
+    tiled_norm_tokens: int = key(integer(minimum=0), 0, "run the LayerNorm/RMSNorm layers (each block's and the final "
+                                 "one) over the sequence in tiles of this many tokens, recomputed per tile in backward: "
+                                 "their fp32 copies and backward exist for one tile (0: off)",
                                  prompt="Tiled norms: tokens per tile, each recomputed in backward")
     offload_activations: bool = key(SWITCH, False, "keep the tensors saved for backward (with activation "
                                     "checkpointing: the block inputs) in pinned CPU memory (cuda only)",

@@ -7,7 +7,7 @@ can fall:
 * `loss`: the end of the forward, while the loss is differentiated, and the final norm's backward
   after it. With full logits this is nearly always the peak: every block's checkpoint is alive
   and so are the logits, their fp32 log-softmax and two fp32 gradients of that size. With the
-  loss chunked and the blocks' norms in tiles, the final norm's fp32 backward can be the peak.
+  loss chunked, the final norm's fp32 backward can be the peak (in tiles, it is one tile's).
 * `mlp_backward` / `attention_backward`: the first block's backward (the last layer), after
   its recompute: all checkpoints are still alive, plus the block's own working set, at its
   largest either in the MLP's backward or in attention's (where CP gathers K/V).

@@ -31,7 +31,7 @@ class Setup:
     chunked_loss: bool = False
     loss_chunk_tokens: int = 4096
     tiled_mlp_tokens: int = 0
-    tiled_norm_tokens: int = 0  # the blocks' norms in tiles: their fp32 copies and backward for one tile
+    tiled_norm_tokens: int = 0  # the norms in tiles (blocks' and final): their fp32 copies and backward for one tile
     offload_activations: bool = False
     cpu_offload: bool = False
     batch: int = 1  # sequences per CP group in one step
