@@ -69,6 +69,14 @@ def kv_copies(*, q_heads: int, kv_heads: int, sp_size: int) -> int:
 # ----------------------------------------------------------------------------- the all-to-alls
 
 
+def _outputs(send: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """The all-to-all's results, laid out in its send buffer, spent once it has run: one contiguous
+    piece per tensor. Their memory is the exchange's own whichever buffer the communication library
+    holds a little longer (gloo frees its work's at times after the call returns): no third buffer."""
+    sp = send.shape[0]
+    return list(send.view(-1).split([sp * size for size in sizes]))
+
+
 def _to_head_split(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> list[torch.Tensor]:
     """(B, H, n, D) shards of n tokens -> (B, H/sp, sp*n, D): this rank's heads, the group's tokens.
 
@@ -86,12 +94,11 @@ def _to_head_split(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) ->
         offset += size
     recv = torch.empty_like(send)
     all_to_all(recv, send, group)
-    del send  # before the outputs are laid out (a copy where heads or batch rows interleave): 2 buffers live, not 3
     out, offset = [], 0
-    for (b, n, h, d), size in zip(parts, sizes):
+    for (b, n, h, d), size, target in zip(parts, sizes, _outputs(send, sizes)):
         # row i holds peer i's n tokens for this rank's heads: peers in order are the sequence
-        tokens = recv[:, offset:offset + size].view(sp, b, n, h, d).permute(1, 0, 2, 3, 4).reshape(b, sp * n, h, d)
-        out.append(tokens.transpose(1, 2))
+        target.view(b, sp, n, h, d).copy_(recv[:, offset:offset + size].view(sp, b, n, h, d).permute(1, 0, 2, 3, 4))
+        out.append(target.view(b, sp * n, h, d).transpose(1, 2))
         offset += size
     return out
 
@@ -109,12 +116,11 @@ def _to_token_split(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -
         offset += size
     recv = torch.empty_like(send)
     all_to_all(recv, send, group)
-    del send  # before the outputs are laid out (a copy where heads or batch rows interleave): 2 buffers live, not 3
     out, offset = [], 0
-    for (b, n, h, d), size in zip(parts, sizes):
+    for (b, n, h, d), size, target in zip(parts, sizes, _outputs(send, sizes)):
         # row i holds heads group i of this rank's tokens
-        heads = recv[:, offset:offset + size].view(sp, b, n, h, d).permute(1, 2, 0, 3, 4).reshape(b, n, sp * h, d)
-        out.append(heads.transpose(1, 2))
+        target.view(b, n, sp, h, d).copy_(recv[:, offset:offset + size].view(sp, b, n, h, d).permute(1, 2, 0, 3, 4))
+        out.append(target.view(b, n, sp * h, d).transpose(1, 2))
         offset += size
     return out
 

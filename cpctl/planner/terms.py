@@ -147,9 +147,9 @@ def ulysses_saved_per_token(z: Sizes) -> float:
 def ulysses_exchange_per_token(z: Sizes) -> float:
     """Per local token, Ulysses' buffers when its backward sends the gradients back to the token layout:
     the head-layout dq, dk, dv and the all-to-all's send and receive buffers of them (the token-layout
-    gradients are laid out of the receive buffer once the send buffer is freed), and dout's: its head
-    layout and its all-to-all's two buffers, which the communication library may free only later
-    (tests/workers/ulysses_memory.py measures between q + 3 qkv and this, 3 q + 3 qkv, on CPU)."""
+    gradients are laid out in the spent send buffer), and dout's: its head layout and its all-to-all's
+    two buffers, which the communication library may free only later (tests/workers/ulysses_memory.py
+    measures q + 3 qkv, or this, 3 q + 3 qkv, on CPU)."""
     if z.setup.sp == 1:
         return 0.0
     model, tp = z.model, z.setup.tp
