@@ -288,32 +288,29 @@ class Profile:
         return cls(**{path: values[path] for path in KEYS if "." not in path}, **sections)
 
 
-def flag_of(name: str) -> str:
-    """`cp_size` -> `--cp-size`: a key's flag."""
-    return "--" + name.replace("_", "-")
+class NamedKey:
+    """A key's flag and environment variable, both derived from its `name` (`cp_size`: `--cp-size`,
+    `CPCTL_CP_SIZE`), for the keys profiles have and for those they once had."""
 
+    name: str
 
-def env_var_of(name: str) -> str:
-    """`cp_size` -> `CPCTL_CP_SIZE`: a key's environment variable."""
-    return "CPCTL_" + name.upper()
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env_var(self) -> str:
+        return "CPCTL_" + self.name.upper()
 
 
 @dataclass(frozen=True)
-class Retired:
+class Retired(NamedKey):
     """A key profiles once had: the one value still read (as nothing to do), and why the key went.
     `reason` says no more than why: each source (file, variable, flag) adds how to drop it there."""
 
     name: str
     accepted: Any
     reason: str
-
-    @property
-    def flag(self) -> str:
-        return flag_of(self.name)
-
-    @property
-    def env_var(self) -> str:
-        return env_var_of(self.name)
 
 
 RETIRED: dict[str, Retired] = {retired.name: retired for retired in (
@@ -332,7 +329,7 @@ def _field_names(cls: type) -> list[str]:
 
 
 @dataclass(frozen=True)
-class Key:
+class Key(NamedKey):
     """One key as the rest of cpctl sees it: its path and the names derived from it."""
 
     path: str
@@ -346,14 +343,6 @@ class Key:
     def name(self) -> str:
         """`cp_size`, `fsdp_version`: for cpctl.init(**overrides), and the base of flag and env names."""
         return self.spec.name or self.leaf
-
-    @property
-    def flag(self) -> str:
-        return flag_of(self.name)
-
-    @property
-    def env_var(self) -> str:
-        return env_var_of(self.name)
 
     @property
     def allowed(self) -> str:
