@@ -147,11 +147,10 @@ def run_length(rt, bench, optimizer, seq: int, *, warmup: int, steps: int, memor
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     recording = cuda_memory_report.recording() if memory_report else contextlib.nullcontext()
-    base_bytes = torch.cuda.memory_allocated() if memory_report else 0
     gen = torch.Generator().manual_seed(seq)
     ids = torch.randint(bench.vocab_size, (1, seq), generator=gen)
     times = []
-    with recording:
+    with recording as history:
         for i in range(warmup + steps):
             dist.barrier()
             synchronize(rt.device)
@@ -161,9 +160,7 @@ def run_length(rt, bench, optimizer, seq: int, *, warmup: int, steps: int, memor
             if i >= warmup:
                 times.append(time.perf_counter() - start)
     if memory_report:
-        text = cuda_memory_report.report(torch.cuda.memory._snapshot(), base_bytes=base_bytes)
-        cuda_memory_report.stop_recording()
-        Path(memory_report).with_suffix(f".rank{rt.rank}.txt").write_text(text + "\n")
+        Path(memory_report).with_suffix(f".rank{rt.rank}.txt").write_text(cuda_memory_report.report(history) + "\n")
     step_s = statistics.median(times)
     peak = torch.tensor(peak_memory_gib(rt.device)[1], device=rt.device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)

@@ -7,9 +7,9 @@ sees: the buffers an attention kernel allocates inside its own backward, NCCL's,
 rounding. `scripts/memory_trace_cpu.py` names tensors by module and autograd node but sees only
 the tensors ops return; this sees bytes.
 
-    with recording():
+    with recording() as history:
         step()
-    print(report(torch.cuda.memory._snapshot(), base_bytes=...))
+    print(report(history))
 
 `scripts/bench_train.py --memory-report PATH` records the last step it runs and writes this.
 """
@@ -28,18 +28,25 @@ MiB = 2**20
 PLUMBING = ("/torch/", "/contextlib.py", "/functools.py", "<frozen")
 
 
+@dataclasses.dataclass
+class History:
+    """What `recording` saw: the bytes allocated when it began, and the allocator's snapshot at its end."""
+
+    base_bytes: int
+    snapshot: dict | None = None
+
+
 @contextlib.contextmanager
-def recording() -> Iterator[None]:
-    """The allocator's history, with Python stacks, while the block runs."""
+def recording() -> Iterator[History]:
+    """The allocator's history, with Python stacks, while the block runs; recording stops however it ends."""
+    history = History(base_bytes=torch.cuda.memory_allocated())
     torch.cuda.memory._record_memory_history(stacks="python", max_entries=2_000_000)
     try:
-        yield
-    finally:
+        yield history
         torch.cuda.synchronize()
-
-
-def stop_recording() -> None:
-    torch.cuda.memory._record_memory_history(enabled=None)
+        history.snapshot = torch.cuda.memory._snapshot()
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 def _origin(frames: list[dict]) -> str:
@@ -80,8 +87,8 @@ def replay(snapshot: dict, *, device: int = 0) -> Peak:
     return Peak(bytes=peak, live=[(size, _origin(frames)) for size, frames in at_peak.values()], events=len(trace))
 
 
-def report(snapshot: dict, *, base_bytes: int, top: int = 40) -> str:
-    found = replay(snapshot)
+def report(history: History, *, top: int = 40) -> str:
+    found, base_bytes = replay(history.snapshot), history.base_bytes
     groups: dict[str, list[int]] = collections.defaultdict(list)
     for size, origin in found.live:
         groups[origin].append(size)
