@@ -19,7 +19,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from launching import REPO, launch_env, launch_once
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from cpctl.attention import Strategy
 
@@ -106,8 +109,6 @@ def test_the_kernel_check_computes_its_reference_without_sdpa() -> None:
     """Inside maybe_context_parallel every SDPA call goes to the CP engine (at cp_size 1 too): the
     check of a kernel, which may run there at the first attention call, must not call SDPA itself
     (on one H200 it recursed into the engine in fp64 and refused every kernel)."""
-    import torch
-
     from cpctl.attention.dispatch import RouteSDPA
     from cpctl.attention.kernels import KERNELS, verify
 
@@ -118,34 +119,20 @@ def test_the_kernel_check_computes_its_reference_without_sdpa() -> None:
         assert verify(KERNELS["cpu_flash"], device=torch.device("cpu"), dtype=torch.float32, head_dim=16) is None
 
 
-class MadeTensors:
+class MadeTensors(TorchDispatchMode):
     """The sizes (numel) and dtypes of the tensors each op makes while it is active."""
 
     def __init__(self) -> None:
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
+        super().__init__()
+        self.made: list[tuple[int, torch.dtype]] = []
 
-        made = self.made = []
-
-        class Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                out = func(*args, **(kwargs or {}))
-                made.extend((t.numel(), t.dtype) for t in tree_leaves(out) if hasattr(t, "numel"))
-                return out
-
-        self.mode = Mode()
-
-    def __enter__(self):
-        self.mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        self.mode.__exit__(*exc)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.made.extend((t.numel(), t.dtype) for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        return out
 
 
 def gqa_inputs():
-    import torch
-
     torch.manual_seed(0)
     q = torch.randn(1, 4, 256, 16, dtype=torch.bfloat16, requires_grad=True)
     k, v = (torch.randn(1, 2, 256, 16, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
@@ -156,8 +143,6 @@ def test_a_group_of_one_merges_nothing_in_fp32() -> None:
     """At cp 1 plain attention is one kernel call, whose gradients are the answer: its backward makes
     no fp32 buffer of q's or K/V's size. The block engine merged one part in such buffers (2 bytes of
     fp32 per bf16 byte), 3 GiB of the Llama-3.2-1B shape's 35 GiB peak at 256k on an H200."""
-    import torch
-
     from cpctl.attention import ChunkLayout, context_parallel_attention
 
     q, k, v = gqa_inputs()
@@ -182,8 +167,6 @@ def test_a_kernel_that_takes_gqa_gets_k_v_at_their_own_heads() -> None:
     """The CPU flash kernel computes GQA itself (`kernels.takes_gqa` checks each kernel once, as
     `verify` does): the block backward then makes one tensor of q's size, dq. Widened, K/V and
     their gradients were 4 more, the largest part of the backward at long lengths."""
-    import torch
-
     from cpctl.attention.kernels import KERNELS, block_backward, block_forward, seq_major, takes_gqa
 
     assert takes_gqa(KERNELS["cpu_flash"], torch.bfloat16, 16, torch.device("cpu"), 2)

@@ -180,8 +180,8 @@ def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim
     gen = torch.Generator(device=device).manual_seed(0)
     # Seq-major views at an offset into a larger buffer: the layout the engine hands kernels.
     q, k, v, dout = (
-        torch.randn(2, 320, heads, head_dim, device=device, dtype=dtype, generator=gen)[1:, 64:].transpose(1, 2)
-        for heads in (heads, kv_heads, kv_heads, heads)
+        torch.randn(2, 320, count, head_dim, device=device, dtype=dtype, generator=gen)[1:, 64:].transpose(1, 2)
+        for count in (heads, kv_heads, kv_heads, heads)
     )
     # The first call may come inside an autograd Function's forward, and inside a checkpointed
     # block: compute the reference with grad on and with identity saved-tensor hooks, so the

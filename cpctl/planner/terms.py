@@ -335,9 +335,8 @@ def offloaded_per_token(z: Sizes) -> float:
     (and what the selective level keeps), the final norm's saved tensors (its fp32 input, kept
     once, its normalized output and the inverse RMS; in tiles only the output, which the head
     keeps: on an H200 at 512k tokens, 34.0 GiB where 38.0 whole), the token ids and position ids
-    (int64), and,
-    when the logits are made in the forward, the head's input (and with model(labels=...).loss
-    the fp32 log-softmax). Parameters are not copied: FSDP gathers them again for backward. (A
+    (int64), and, when the logits are made in the forward, the head's input (and with
+    model(labels=...).loss the fp32 log-softmax). Parameters are not copied: FSDP gathers them again for backward. (A
     Hugging Face model's rotary cos and sin, 4 bytes per head dim, are not counted.)"""
     model = z.model
     blocks = model.n_layers * z.act * model.dim + selective_layers(z) * selective_kept_per_token(z)
