@@ -184,3 +184,31 @@ def test_a_kernel_that_takes_gqa_gets_k_v_at_their_own_heads() -> None:
     assert (out - want).abs().max() <= 2e-2
     for got, ref in zip((dq, dk, dv), refs):
         assert (got - ref.grad).abs().max() <= 5e-2
+
+
+def test_the_gqa_check_refuses_a_kernel_that_groups_q_heads_otherwise() -> None:
+    """`takes_gqa` checks with two K/V heads: a kernel that shared K/V heads among interleaved q heads
+    (q head h on K/V head h % 2, not h // groups as expand_kv and Hugging Face's repeat_kv have it)
+    would pass a check with one K/V head and be silently wrong on a model."""
+    from cpctl.attention.kernels import KERNELS, Kernel, takes_gqa
+
+    cpu = KERNELS["cpu_flash"]
+
+    def interleaved(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        heads, groups = q.shape[1], q.shape[1] // k.shape[1]
+        order = torch.arange(heads).view(heads // groups, groups).t().reshape(-1)
+        return order, torch.argsort(order)
+
+    def forward(q, k, v, *, causal, scale):
+        order, back = interleaved(q, k)
+        out, lse = cpu.forward(q[:, order], k, v, causal=causal, scale=scale)
+        return out[:, back], lse[:, back]
+
+    def backward(dout, q, k, v, out, lse, *, causal, scale):
+        order, back = interleaved(q, k)
+        dq, dk, dv = cpu.backward(dout[:, order], q[:, order], k, v, out[:, order], lse[:, order].contiguous(),
+                                  causal=causal, scale=scale)
+        return dq[:, back], dk, dv
+
+    assert takes_gqa(cpu, torch.float32, 16, torch.device("cpu"), 4)
+    assert not takes_gqa(Kernel("interleaved", forward, backward), torch.float32, 16, torch.device("cpu"), 4)

@@ -214,8 +214,10 @@ def verify(kernel: Kernel, *, device: torch.device, dtype: torch.dtype, head_dim
 def takes_gqa(kernel: Kernel, dtype: torch.dtype, head_dim: int, device: torch.device, groups: int) -> bool:
     """Whether `kernel` computes grouped-query attention itself (`groups` q heads to a K/V head, the
     gradients back at K/V's size): checked once per group size, as `verify` checks a kernel. Widened,
-    K/V and their gradients are 4 tensors of q's size in the backward, its largest part at long lengths."""
-    return verify(kernel, device=device, dtype=dtype, head_dim=head_dim, heads=groups, kv_heads=1) is None
+    K/V and their gradients are 4 tensors of q's size in the backward, its largest part at long lengths.
+    Two K/V heads, so that the check also tells which q heads share one (consecutive ones, as
+    `expand_kv` and Hugging Face's repeat_kv have it) from any other grouping."""
+    return verify(kernel, device=device, dtype=dtype, head_dim=head_dim, heads=2 * groups, kv_heads=2) is None
 
 
 def _causal_attention_fp64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
