@@ -1,5 +1,6 @@
 """A failed worker's report to `cpctl launch`: one definition for the side that writes it
 (cpctl.runtime.process, in the worker) and the side that reads it (cpctl.launch.failures).
+With it, the checkpoint a restart resumes from (CheckpointNote, written by cpctl's Checkpointer).
 
 Under `cpctl launch` (ERROR_DIR_ENV_VAR set) a worker that raises writes its full traceback to
 ERROR_DIR/rank{R}-traceback.txt and its torchelastic error file (TORCHELASTIC_ERROR_FILE, the
@@ -9,14 +10,17 @@ ProcessFailure's `error_file_data`, with this report under REPORT_KEY. Torch-fre
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 ERROR_DIR_ENV_VAR = "CPCTL_ERROR_DIR"  # set by the launcher: a fresh directory per launch, for tracebacks
 REPORT_KEY = "cpctl"  # cpctl's part of a worker's torchelastic error file
 TRACEBACK_GLOB = "*traceback*.txt"  # what traceback_path names, in the error directory
+CHECKPOINT_NOTE = "checkpoint.json"  # in the error directory: CheckpointNote
 
 
 def traceback_path(error_dir: Path, *, rank: int, attempt: int, restarts: int) -> Path:
@@ -91,3 +95,38 @@ class FailureReport:
         """The report in an error file torchelastic read (a ProcessFailure's `error_file_data`);
         None when the worker wrote none (it exited, was killed, or failed before cpctl.init())."""
         return cls.from_dict(data.get(REPORT_KEY)) if isinstance(data, dict) else None
+
+
+@dataclass(frozen=True)
+class CheckpointNote:
+    """The newest checkpoint this launch's workers completed or loaded, as rank 0 of cpctl's
+    Checkpointer notes it (`note_checkpoint`): the one `load_latest` resumes from after a restart,
+    which the launcher names in its restart line. Written right after the checkpoint's rename, so
+    a kill between the two leaves it one checkpoint behind."""
+
+    step: int
+    path: str
+
+    @classmethod
+    def read(cls, error_dir: Path) -> CheckpointNote | None:
+        """The note in `error_dir`; None when the workers wrote none (no cpctl checkpoint yet)."""
+        try:
+            data = json.loads((error_dir / CHECKPOINT_NOTE).read_text())
+            note = cls(step=data["step"], path=data["path"])
+        except (OSError, ValueError, TypeError, KeyError):
+            return None
+        return note if type(note.step) is int and isinstance(note.path, str) else None
+
+
+def note_checkpoint(path: Path, *, step: int) -> None:
+    """In a worker of `cpctl launch` (ERROR_DIR_ENV_VAR set): note checkpoint `path` (step `step`)
+    as the one a restart resumes from. Anywhere else nothing; never an error (a save or load must
+    not fail for the launcher's line)."""
+    error_dir = os.environ.get(ERROR_DIR_ENV_VAR)
+    if not error_dir:
+        return
+    note = Path(error_dir) / CHECKPOINT_NOTE
+    written = note.with_name(f"{note.name}.{os.getpid()}")
+    with contextlib.suppress(OSError):
+        written.write_text(json.dumps({"step": step, "path": str(Path(path).absolute())}))
+        written.replace(note)  # whole, or the previous note

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from cpctl.errors import CpctlError
+from cpctl.failure_report import note_checkpoint
 from cpctl.planner.units import GiB
 from cpctl.runtime import integrity
 
@@ -149,6 +150,7 @@ class Checkpointer:
             for old in self.checkpoints()[:-self.keep]:
                 shutil.rmtree(old, ignore_errors=True)
         _barrier()
+        note_checkpoint(final, step=int(_STEP_DIR.match(final.name).group(1)))  # `cpctl launch` names it at a restart
 
     def _cannot_write(self, exc: BaseException, *, final: Path) -> str:
         """One line: which checkpoint, where, why (the OS's reason), what is kept, and the fix."""
@@ -199,7 +201,9 @@ class Checkpointer:
             if damage is None:
                 if damaged:
                     self._set_aside(damaged, resumed=path)
-                return self._load(path, model=model, optimizer=optimizer, loader=loader)["step"]
+                step = self._load(path, model=model, optimizer=optimizer, loader=loader)["step"]
+                note_checkpoint(path, step=step)  # what a restart resumes from again, until the next save
+                return step
             damaged.append((path, damage))
         if damaged:
             path, damage = damaged[0]
