@@ -61,6 +61,55 @@ def test_a_killed_rank_is_restarted_and_the_run_resumes(uninterrupted, tmp_path:
         assert abs(loss - uninterrupted[step]) <= TOLERANCE, (step, run, uninterrupted)
 
 
+def test_a_restart_says_why_and_from_which_checkpoint(tmp_path: Path) -> None:
+    # rank 1 kills itself with SIGKILL once checkpoint step 2 is saved, on the first attempt only
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--max-restarts", "1", str(WORKER),
+                                        "sigkill-once", str(tmp_path), tmp_path=tmp_path))
+    assert code == 0, stdout + stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("cpctl: restart")]
+    assert line.startswith("cpctl: restart 1 of 1: rank 1 (pid "), line
+    assert ") was killed by SIGKILL (signal 9)" in line, line
+    assert line.endswith(f"; load_latest resumes from checkpoint step 2 at {tmp_path / 'ckpt' / 'step-000000002'}"), line
+    assert [(tmp_path / f"rank{rank}-attempt1.start").read_text() for rank in (0, 1)] == ["2", "2"]  # as it said
+
+
+def test_a_restart_line_names_the_root_cause_and_the_checkpoint(tmp_path: Path) -> None:
+    """Restarts as torchelastic logs a failed attempt, on the reports and note workers leave."""
+    import logging
+
+    from cpctl.failure_report import note_checkpoint
+
+    logs, error_dir = tmp_path / "logs", tmp_path / "errors"
+    peer = FailureReport(rank=0, host="node0", summary="RuntimeError: Connection closed by peer",
+                         traceback_file="/tmp/cpctl-x/rank0-attempt0-traceback.txt", time=1.0, peer_lost=True)
+    mine = FailureReport(rank=1, host="node0", summary="ValueError: batch 3 has no labels",
+                         traceback_file="/tmp/cpctl-x/rank1-attempt1-traceback.txt", time=2.0, peer_lost=False)
+    for attempt, local_rank, report in ((0, 0, peer), (1, 0, peer), (1, 1, mine)):
+        written = logs / "run_abc" / f"attempt_{attempt}" / str(local_rank) / "error.json"
+        written.parent.mkdir(parents=True)
+        written.write_text(report.error_file_json(traceback_text="Traceback ..."))
+    error_dir.mkdir()
+    logger = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    fail = "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s"
+    restarts = failures.Restarts(max_restarts=2, logs=logs, error_dir=error_dir, nnodes=1, ranks={4001: 1},
+                                 killed_by=lambda name, pid: f"{name} (as MemoryWatch names it)")
+    with restarts, pytest.MonkeyPatch.context() as env:
+        logger.error(fail, -9, 1, 4001, "python")  # attempt 0: rank 1 killed; rank 0 only lost its peer
+        env.setenv(ERROR_DIR_ENV_VAR, str(error_dir))
+        (tmp_path / "ckpt" / "step-000000004").mkdir(parents=True)
+        note_checkpoint(tmp_path / "ckpt" / "step-000000004", step=4)
+        logger.error(fail, 1, 0, 4000, "python")  # attempt 1: rank 1 raised, rank 0 lost its peer first
+        logger.error(fail, 1, 1, 4101, "python")  # attempt 2, the last: the launch's error, not a restart
+    assert restarts.lines == [
+        "restart 1 of 2: rank 1 (pid 4001) was killed by SIGKILL (as MemoryWatch names it); "
+        "no checkpoint saved or loaded through cpctl.Checkpointer yet",
+        "restart 2 of 2: rank 1 failed: ValueError: batch 3 has no labels (traceback: "
+        f"/tmp/cpctl-x/rank1-attempt1-traceback.txt on node0); load_latest resumes from checkpoint step 4 at "
+        f"{tmp_path / 'ckpt' / 'step-000000004'}",
+    ]
+    assert restarts not in logger.filters
+
+
 def test_a_hung_rank_ends_the_job_within_the_timeout_and_is_named(tmp_path: Path) -> None:
     start = time.monotonic()
     code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--comm-timeout", "5",

@@ -14,24 +14,37 @@ host memory: offloaded activations (memory.offload_activations) and FSDP's CPU o
 worker's resident memory once a second, so a worker's SIGKILL reads as one line: by the OOM
 killer or not, how much memory the worker held, what in the profile puts tensors in host memory,
 and `cpctl plan --host-memory` to size it. Torch-free; Linux files only, silently absent elsewhere.
+
+With restarts (`--max-restarts`), torchrun's agent restarts the workers after a failed attempt
+and logs that only at INFO, which it does not show. Each such attempt is one line from cpctl
+(Restarts): the root cause as above, and the checkpoint the workers resume from. The moment is
+torchelastic's own ERROR line for a failed attempt ("failed (exitcode: C) local_rank: L (pid: P)",
+the first worker to fail, logged once the others are stopped); the workers' reports are their
+error files, at the place torchrun's DefaultLogsSpecs documents (LOG_DIR/RUN_ID/attempt_K/L/
+error.json); the checkpoint is the one cpctl's Checkpointer noted (failure_report.CheckpointNote).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import signal
 import socket
+import sys
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from cpctl.errors import LaunchError, first_line
-from cpctl.failure_report import FailureReport
+from cpctl.failure_report import CheckpointNote, FailureReport
 
 GiB = 2**30
+K = TypeVar("K")  # what a mapping of failures is keyed by: the global rank (None where not seen)
 
 
 def oom_kills() -> int | None:
@@ -109,14 +122,24 @@ def _children(parent: int) -> Iterable[int]:
                     yield int(entry.name)
 
 
+def _environ_value(pid: int, name: str) -> str | None:
+    with contextlib.suppress(OSError):
+        for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+            key, _, value = item.partition(b"=")
+            if key == name.encode():
+                return value.decode(errors="replace")
+    return None
+
+
 class MemoryWatch:
     """For one launch: the OOM-kill counter at its start and each local worker's largest resident
-    memory seen (sampled every `interval` seconds from a background thread)."""
+    memory seen (sampled every `interval` seconds from a background thread), and its global rank."""
 
     def __init__(self, *, interval: float = 1.0) -> None:
         self.interval = interval
         self.oom_kills_at_start = oom_kills()
         self.resident: dict[int, int] = {}  # worker pid -> largest RSS seen, bytes
+        self.ranks: dict[int, int] = {}  # worker pid -> its RANK (torchrun's, in its environment)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="cpctl-memory-watch", daemon=True)
 
@@ -139,6 +162,9 @@ class MemoryWatch:
             rss = _field_kib(Path(f"/proc/{pid}/status"), "VmRSS:")
             if rss is not None:
                 self.resident[pid] = max(self.resident.get(pid, 0), rss * 1024)
+            if pid not in self.ranks:
+                with contextlib.suppress(TypeError, ValueError):
+                    self.ranks[pid] = int(_environ_value(pid, "RANK"))  # type: ignore[arg-type]
 
     def killed_by(self, signal_name: str, *, pid: int, memory: Any) -> str:
         """How a worker that died of `signal_name` was killed, in words (after "was killed by")."""
@@ -205,18 +231,8 @@ def worker_failure(failures: Mapping[int, WorkerFailure], *, killed_by: Callable
     named by `killed_by` (MemoryWatch.killed_by: the OOM killer, or not)."""
     rank, failure = root_cause(failures)
     report = FailureReport.from_error_file_data(failure.error_file_data)
-    code = failure.exitcode
-    if code == -signal.SIGTERM and report is not None:
-        # it raised, so was exiting with code 1, when the agent saw a peer gone and stopped it
-        how, exit_code = "exited with code 1", 1
-    elif code < 0:
-        name = failure.signal_name()
-        how, exit_code = f"was killed by {killed_by(name, pid=failure.pid) if killed_by else name}", 128 - code
-    else:
-        how, exit_code = f"exited with code {code}", code or 1
+    how, exit_code = how_it_ended(failure, report=report, killed_by=killed_by)
     first = None if report is None else report.first  # the rank that failed first, maybe elsewhere
-    if report is not None and report.after is not None:
-        how = f"stopped after rank {report.after.rank} failed and {how}"
     exit_line = f"worker rank {rank} (local rank {failure.local_rank}, pid {failure.pid}) {how}"
     others = len(failures) - 1
     if others:
@@ -226,10 +242,31 @@ def worker_failure(failures: Mapping[int, WorkerFailure], *, killed_by: Callable
         if message:
             exit_line += f": {message}"
         return LaunchError(exit_line + "; its output is above", exit_code=exit_code)
-    where = f" on {first.host}" if first.host != socket.gethostname() else ""
     return LaunchError(f"rank {first.rank}: {first.summary}\n"
-                       f"  traceback: {first.traceback_file}{where}\n"
+                       f"  traceback: {first.traceback_file}{_elsewhere(first)}\n"
                        f"  {exit_line}", exit_code=exit_code)
+
+
+def how_it_ended(failure: WorkerFailure, *, report: FailureReport | None,
+                 killed_by: Callable[..., str] | None) -> tuple[str, int]:
+    """(`exited with code C` or `was killed by ...`, with `stopped after rank F failed` first when its
+    report says so; the exit code cpctl passes on for it)."""
+    code = failure.exitcode
+    if code == -signal.SIGTERM and report is not None:
+        # it raised, so was exiting with code 1, when the agent saw a peer gone and stopped it
+        how, exit_code = "exited with code 1", 1
+    elif code < 0:
+        name = failure.signal_name()
+        how, exit_code = f"was killed by {killed_by(name, pid=failure.pid) if killed_by else name}", 128 - code
+    else:
+        how, exit_code = f"exited with code {code}", code or 1
+    if report is not None and report.after is not None:
+        how = f"stopped after rank {report.after.rank} failed and {how}"
+    return how, exit_code
+
+
+def _elsewhere(report: FailureReport) -> str:
+    return f" on {report.host}" if report.host != socket.gethostname() else ""
 
 
 def _torchelastic_message(failure: WorkerFailure) -> str:
@@ -241,7 +278,7 @@ def _torchelastic_message(failure: WorkerFailure) -> str:
     return first_line(str(message)) if recorded else ""
 
 
-def root_cause(failures: Mapping[int, WorkerFailure]) -> tuple[int, WorkerFailure]:
+def root_cause(failures: Mapping[K, WorkerFailure]) -> tuple[K, WorkerFailure]:
     """The failure that caused the others, not just the one with the smallest whole-second
     timestamp (torchelastic's pick): a worker's own error before one that only lost its peers
     (or was told by another rank that it failed first), and those before the workers the agent
@@ -286,3 +323,121 @@ def quiet_worker_failures() -> Iterator[None]:
     finally:
         for logger, quiet in filters.items():
             logger.removeFilter(quiet)
+
+
+# ----------------------------------------------------------------------------- a restart
+
+_FAILED_ATTEMPT_LOGGER = "torch.distributed.elastic.multiprocessing.api"
+_FAILED_ATTEMPT = "failed (exitcode"  # its ERROR line for a failed attempt: args exitcode, local_rank, pid, ...
+
+
+@dataclass(frozen=True)
+class _Seen:
+    """A worker of a failed attempt as the launcher saw it: a WorkerFailure."""
+
+    local_rank: int
+    pid: int
+    exitcode: int
+    error_file_data: object
+    timestamp: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def message(self) -> object:
+        data = self.error_file_data
+        return data.get("message", "") if isinstance(data, dict) else ""
+
+    def signal_name(self) -> str:
+        with contextlib.suppress(ValueError):
+            return signal.Signals(-self.exitcode).name
+        return f"signal {-self.exitcode}"
+
+
+class Restarts(logging.Filter):
+    """For one launch with restarts: each failed attempt that torchrun's agent restarts, told on one
+    line (`cpctl: restart K of N: CAUSE; CHECKPOINT`) when torchelastic logs the failed attempt.
+
+    The agent restarts after each failed attempt of this node while it has restarts left
+    (`--max-restarts`); the attempt after the last is the launch's error (worker_failure).
+    A restart because another node's workers failed is told on that node."""
+
+    def __init__(self, *, max_restarts: int, logs: Path, error_dir: Path, nnodes: int,
+                 ranks: Mapping[int, int], killed_by: Callable[..., str] | None = None) -> None:
+        super().__init__()
+        self.max_restarts = max_restarts
+        self.logs = logs  # torchrun's --log-dir
+        self.error_dir = error_dir  # the launch's: the Checkpointer's note
+        self.nnodes = nnodes
+        self.ranks = ranks  # worker pid -> global rank (MemoryWatch.ranks)
+        self.killed_by = killed_by
+        self.failed_attempts = 0
+        self.lines: list[str] = []
+
+    def __enter__(self) -> Restarts:
+        # before quiet_worker_failures' filter, which drops the record this one reads
+        logging.getLogger(_FAILED_ATTEMPT_LOGGER).addFilter(self)
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        logging.getLogger(_FAILED_ATTEMPT_LOGGER).removeFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if _FAILED_ATTEMPT in str(record.msg) and isinstance(args, tuple) and len(args) >= 3:
+            try:
+                self.attempt_failed(exitcode=int(args[0]), local_rank=int(args[1]), pid=int(args[2]))
+            except Exception as exc:  # noqa: BLE001 - the line is a courtesy: never break the agent's loop
+                print(f"cpctl: a restart could not be described ({type(exc).__name__}: {exc})",
+                      file=sys.stderr, flush=True)
+        return True
+
+    def attempt_failed(self, *, exitcode: int, local_rank: int, pid: int) -> None:
+        """Attempt `failed_attempts` (torchrun's restart count) ended: the first worker to fail was
+        local rank `local_rank`; say why, unless it was the last attempt."""
+        attempt = self.failed_attempts
+        self.failed_attempts += 1
+        if self.failed_attempts > self.max_restarts:
+            return
+        reports = self.error_files(attempt)
+        first = _Seen(local_rank=local_rank, pid=pid, exitcode=exitcode,
+                      error_file_data=reports.get(local_rank, {"message": "<NONE>"}))
+        rank = self.ranks.get(pid, local_rank if self.nnodes == 1 else None)
+        seen: dict[int | None, WorkerFailure] = {rank: first}  # None: its global rank was not seen
+        for other, data in reports.items():  # the others that wrote a report: they raised
+            report = FailureReport.from_error_file_data(data)
+            if other != local_rank and report is not None:
+                seen[report.rank] = _Seen(local_rank=other, pid=0, exitcode=1, error_file_data=data)
+        line = (f"restart {self.failed_attempts} of {self.max_restarts}: "
+                f"{restart_cause(seen, killed_by=self.killed_by)}; {resumes_from(CheckpointNote.read(self.error_dir))}")
+        self.lines.append(line)
+        print(f"cpctl: {line}", file=sys.stderr, flush=True)
+
+    def error_files(self, attempt: int) -> dict[int, object]:
+        """Local rank -> its error file of `attempt`, parsed (torchelastic's format), where one was written."""
+        found: dict[int, object] = {}
+        for path in self.logs.glob(f"*/attempt_{attempt}/*/error.json"):
+            with contextlib.suppress(OSError, ValueError):
+                found[int(path.parent.name)] = json.loads(path.read_text())
+        return found
+
+
+def restart_cause(failures: Mapping[int | None, WorkerFailure], *, killed_by: Callable[..., str] | None = None) -> str:
+    """Why an attempt failed, in one clause: the root cause's report (`rank R failed: SUMMARY
+    (traceback: FILE)`), or how its worker ended (`rank R (pid P) was killed by SIGKILL ...`)."""
+    rank, failure = root_cause(failures)
+    report = FailureReport.from_error_file_data(failure.error_file_data)
+    if report is not None:
+        first = report.first
+        return f"rank {first.rank} failed: {first.summary} (traceback: {first.traceback_file}{_elsewhere(first)})"
+    how, _ = how_it_ended(failure, report=None, killed_by=killed_by)
+    who = f"rank {rank}" if rank is not None else f"local rank {failure.local_rank}"
+    message = _torchelastic_message(failure)
+    return f"{who} (pid {failure.pid}) {how}{': ' + message if message else ''}"
+
+
+def resumes_from(note: CheckpointNote | None) -> str:
+    """Which checkpoint the restarted workers resume from, as the Checkpointer noted it."""
+    if note is None:
+        return "no checkpoint saved or loaded through cpctl.Checkpointer yet"
+    if not Path(note.path).is_dir():
+        return f"the newest checkpoint the workers noted, {note.path}, is gone"
+    return f"load_latest resumes from checkpoint step {note.step} at {note.path}"

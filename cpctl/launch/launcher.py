@@ -9,9 +9,9 @@ torchrun itself. Building a `LaunchConfig` by hand is avoided on purpose: its de
 The resolved profile reaches the workers as JSON in `CPCTL_RESOLVED_PROFILE` (workers inherit
 the launcher's environment); torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ... as usual.
 
-What the user sees while it runs has modules of its own: a failed worker told as one error
-(launch/failures.py), this node's wait for the others (launch/rendezvous.py), each worker's lines
-prefixed with its rank once (launch/worker_output.py).
+What the user sees while it runs has modules of its own: a failed worker told as one error, and
+each restart as one line (launch/failures.py), this node's wait for the others
+(launch/rendezvous.py), each worker's lines prefixed with its rank once (launch/worker_output.py).
 
 Only `launch()` imports torch; `prepare()` (and so `cpctl launch --dry-run`) does not.
 """
@@ -37,7 +37,7 @@ from pathlib import Path
 from cpctl.config import PROFILE_ENV_VAR, Profile, Resolved
 from cpctl.config.layers import MachineSource
 from cpctl.errors import CpctlError, LaunchError
-from cpctl.failure_report import ERROR_DIR_ENV_VAR, TRACEBACK_GLOB
+from cpctl.failure_report import CHECKPOINT_NOTE, ERROR_DIR_ENV_VAR, TRACEBACK_GLOB
 from cpctl import versions
 from cpctl.launch import failures, loopback, rendezvous
 from cpctl.launch.failures import MemoryWatch
@@ -158,14 +158,20 @@ def launch(plan: LaunchPlan) -> None:
     argv = [f"--log-dir={logs}", *plan.torchrun_args]
     try:
         with _environ({**plan.env, ERROR_DIR_ENV_VAR: str(error_dir)}), MemoryWatch() as memory:
-            _run_torchrun(argv, nnodes=profile.launch.nnodes,
-                          killed_by=functools.partial(memory.killed_by, memory=profile.memory))
+            killed_by = functools.partial(memory.killed_by, memory=profile.memory)
+            # each restart told on one line: why, and the checkpoint the workers resume from
+            restarts = failures.Restarts(max_restarts=profile.launch.max_restarts, logs=logs, error_dir=error_dir,
+                                         nnodes=profile.launch.nnodes, ranks=memory.ranks, killed_by=killed_by)
+            with restarts if profile.launch.max_restarts else contextlib.nullcontext():
+                _run_torchrun(argv, nnodes=profile.launch.nnodes, killed_by=killed_by)
     except KeyboardInterrupt:  # Ctrl-C before torchrun's agent installed its own handlers
         raise LaunchError("interrupted; workers stopped", exit_code=128 + signal.SIGINT) from None
     finally:
         # Whatever ended the launch, only the workers' traceback files stay (the error names
         # them); torchrun's logs repeat what the console showed.
         shutil.rmtree(logs, ignore_errors=True)
+        for note in error_dir.glob(f"{CHECKPOINT_NOTE}*"):  # the Checkpointer's note (failure_report.py)
+            note.unlink(missing_ok=True)
         if not any(error_dir.glob(TRACEBACK_GLOB)):
             shutil.rmtree(error_dir, ignore_errors=True)
 
