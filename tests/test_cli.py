@@ -122,7 +122,7 @@ def test_launch_config_and_check_share_one_flag_set() -> None:
     expected = {
         "--dp-replicate-size", "--dp-shard-size", "--cp-size", "--sp-size", "--tp-size", "--cp-comm-strategy",
         "--cp-load-balance", "--fsdp-version", "--reshard-after-forward", "--mixed-precision",
-        "--activation-checkpointing", "--device", "--nnodes", "--nproc-per-node",
+        "--activation-checkpointing", "--master-weights", "--device", "--nnodes", "--nproc-per-node",
         "--node-rank", "--rdzv-endpoint", "--max-restarts", "--comm-timeout", "--loss-chunk-tokens", "--checkpoint-level",
         "--selective-blocks",
         "--tiled-mlp-tokens", "--tiled-norm-tokens", "--offload-activations", "--cpu-offload", "--script-api", "--cp-engine", "--model",

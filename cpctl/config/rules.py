@@ -317,6 +317,17 @@ def _accelerate_limits(v: Mapping[str, Any], machine: Machine | None) -> str | N
     return None
 
 
+def _keep_is_not_accelerates(v: Mapping[str, Any], machine: Machine | None) -> str | None:
+    """accelerate's FSDP2 preparation upcasts every trainable parameter to fp32 under mixed
+    precision (fsdp2_prepare_model): there, keep could not hold."""
+    precision = v["fsdp.mixed_precision"]
+    if v["fsdp.master_weights"] != "keep" or v["launch.script_api"] != "accelerate" or precision in ("no", AUTO):
+        return None
+    return (f"fsdp.master_weights: keep with an accelerate script and mixed_precision {precision}: accelerate's FSDP2 "
+            "preparation upcasts trainable parameters to fp32 under mixed precision; set mixed_precision: no (the "
+            "weights' own dtype is then the compute dtype) or master_weights: fp32")
+
+
 RULES = (
     Rule(("launch.device", "launch.nproc_per_node"), _nproc_counts_gpus),
     Rule(("launch.device", "launch.nproc_per_node"), _gpus_visible, needs_machine=True),
@@ -333,6 +344,7 @@ RULES = (
     Rule(("parallelism.cp_engine", "launch.script_api", "launch.device", *CPCTL_MODEL_OPTIONS), _native_engine_is_accelerates),
     Rule(("launch.script_api", "parallelism.sp_size", "parallelism.cp_engine", "parallelism.tp_size", "parallelism.cp_size",
           "parallelism.dp_replicate_size", "parallelism.dp_shard_size"), _accelerate_limits),
+    Rule(("fsdp.master_weights", "launch.script_api", "fsdp.mixed_precision"), _keep_is_not_accelerates),
 )
 
 

@@ -184,6 +184,12 @@ class Fsdp:
     activation_checkpointing: bool = key(SWITCH, False, "recompute block activations in backward",
                                          prompt="Activation checkpointing: recompute block activations in backward "
                                                 "to save memory?")
+    # Not asked by `cpctl config`: keep (pure low precision) is a choice to make knowingly, never a default.
+    master_weights: str = key(one_of("fp32", "keep"), "fp32", "the dtype of the trainable parameters FSDP2 shards, "
+                              "their gradients and AdamW's state: fp32 (bf16 or fp16 weights, as transformers loads a "
+                              "checkpoint, are upcast before sharding; compute still runs in mixed_precision), or "
+                              "keep: train them in the dtype they arrive in (pure low precision: updates below "
+                              "bf16's resolution are lost); frozen parameters always keep theirs")
 
 
 @dataclass(frozen=True)

@@ -148,12 +148,16 @@ def _adopting(prepare: Any, runtime: Any) -> Any:
     before accelerate wraps them, and finished after."""
     import torch
 
+    from cpctl.runtime.parallelize import master_weights_for_fsdp
+
     @functools.wraps(prepare)
     def adopting(self, *args, **kwargs):
         fresh = [a for a in (*args, *kwargs.values())
                  if isinstance(a, torch.nn.Module) and not getattr(a, ADOPTED, False)]
         for model in fresh:
             runtime.ready_model(model)
+            if runtime.config.fsdp.version == 2:  # fp32 master weights whatever accelerate's mixed_precision
+                master_weights_for_fsdp(model, master_weights=runtime.config.fsdp.master_weights, main=runtime.is_main)
             setattr(model, ADOPTED, True)
         prepared = prepare(self, *args, **kwargs)
         for model in fresh:

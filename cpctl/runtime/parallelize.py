@@ -4,12 +4,15 @@ Order matters and follows torchtitan: TP first (it rewrites Linear weights into 
 the tp axis), then activation checkpointing around each block, then FSDP2 `fully_shard` on
 every transformer block and finally the root, over the (dp_replicate,) dp_shard*cp axes.
 CP ranks hold different tokens of the same sequences, so for FSDP they are data-parallel
-ranks: parameters are sharded over them too.
+ranks: parameters are sharded over them too. Trainable parameters are sharded as fp32 master
+weights whatever dtype they arrive in (fsdp.master_weights); compute runs in mixed_precision's.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 
@@ -21,6 +24,10 @@ from cpctl.config import Fsdp
 from cpctl.errors import CpctlError
 
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_LOW = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # the dtypes master weights are not kept in
+_log = logging.getLogger("cpctl")
+# (master_weights, dtypes) already said at INFO in this process: a log's once-registry, as warnings keeps one
+_told: set[tuple[str, str]] = set()
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
@@ -98,8 +105,52 @@ def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module, *,
     return [wrappers[position] for position in sorted(wrappers)]
 
 
+def low_precision_trainable(model: nn.Module) -> Counter[str]:
+    """The trainable parameters of `model` in bf16 or fp16, counted by dtype (tied ones once)."""
+    return Counter(_LOW[p.dtype] for p in model.parameters() if p.requires_grad and p.dtype in _LOW)
+
+
+def upcast_trainable(module: nn.Module) -> None:
+    """Trainable bf16/fp16 parameters become fp32 in place (the same Parameter objects, so an
+    optimizer built on them still holds them, as accelerate's `fsdp2_prepare_model` does it);
+    frozen parameters (a LoRA base) and buffers keep their dtype."""
+    for param in module.parameters():
+        if param.requires_grad and param.dtype in _LOW:
+            param.data = param.data.to(torch.float32)
+
+
+def tell_master_weights(found: Counter[str], *, master_weights: str, main: bool) -> None:
+    """One line on rank 0 for what `low_precision_trainable` found: INFO the first time in the
+    process, DEBUG for the next models."""
+    if not found or not main:
+        return
+    dtypes = "/".join(sorted(found))
+    count = sum(found.values())
+    if master_weights == "keep":
+        message = (f"{count} trainable parameters arrived in {dtypes} and are trained in {dtypes} "
+                   "(fsdp.master_weights: keep): gradients and AdamW's state are " + dtypes)
+    else:
+        message = (f"{count} trainable parameters arrived in {dtypes}; kept as fp32 master weights, with fp32 "
+                   f"gradients and AdamW state (fsdp.master_weights: keep trains them in {dtypes})")
+    first = (master_weights, dtypes) not in _told
+    _told.add((master_weights, dtypes))
+    _log.log(logging.INFO if first else logging.DEBUG, message)
+
+
+def master_weights_for_fsdp(model: nn.Module, *, master_weights: str, main: bool) -> None:
+    """What accelerate's FSDP2 preparation is to find (the accelerate route): trainable
+    low-precision parameters as fp32, unless the profile keeps them; said once."""
+    found = low_precision_trainable(model)
+    if master_weights == "fp32":
+        upcast_trainable(model)
+    tell_master_weights(found, master_weights=master_weights, main=main)
+
+
 def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[nn.Module],
                cpu_offload: bool = False) -> None:
+    """FSDP2 on each block, then the root. Trainable low-precision parameters are upcast to fp32
+    master weights first (fsdp.master_weights), block by block just before each is sharded, so
+    the whole model is never held in fp32 unsharded; compute runs in mixed_precision's dtype."""
     try:
         from torch.distributed.fsdp import (
             CPUOffloadPolicy,
@@ -119,8 +170,15 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[n
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
     # PyTorch's own offload: sharded parameters, gradients and optimizer state live in pinned CPU memory.
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    found = low_precision_trainable(model)
+    upcast = fsdp.master_weights == "fp32"
     for block in blocks:
+        if upcast:
+            upcast_trainable(block)
         fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload,
                     reshard_after_forward=fsdp.reshard_after_forward)
+    if upcast:
+        upcast_trainable(model)  # the root's own: embeddings, head, final norm (the blocks' are done)
     # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+    tell_master_weights(found, master_weights=fsdp.master_weights, main=mesh.get_rank() == 0)
