@@ -263,11 +263,54 @@ def test_a_hugging_face_config_reads_as_its_preset(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_32_1B))
     for spec in (tmp_path, tmp_path / "config.json"):
         shape = planner.load_model(str(spec))
-        assert dataclasses.replace(shape, name="llama-3.2-1b") == PRESETS["llama-3.2-1b"]
+        assert shape.weights_dtype == "bf16"  # its torch_dtype: what transformers loads it in
+        assert dataclasses.replace(shape, name="llama-3.2-1b", weights_dtype=None) == PRESETS["llama-3.2-1b"]
     nested = {"model_type": "mllama", "text_config": {**LLAMA_32_1B, "num_key_value_heads": None, "head_dim": None}}
     (tmp_path / "config.json").write_text(json.dumps(nested))
     shape = planner.load_model(str(tmp_path))
     assert (shape.n_kv_heads, shape.head_dim, shape.dim) == (32, 64, 2048)
+
+
+def test_master_weights_are_counted_in_the_dtype_the_runtime_keeps(tmp_path: Path) -> None:
+    """The runtime upcasts a bf16 checkpoint's trainable weights to fp32 (fsdp.master_weights fp32):
+    weights, gradients and AdamW's state at 4 bytes, as for an fp32 model; with keep they stay in
+    the checkpoint's bf16, 2 bytes each, and compute runs in bf16 even with mixed_precision no."""
+    (tmp_path / "config.json").write_text(json.dumps({**LLAMA_32_1B, "torch_dtype": None, "dtype": "bfloat16"}))
+    bf16 = planner.load_model(str(tmp_path))
+    assert bf16.weights_dtype == "bf16"  # transformers 5's key, as torch_dtype before it
+    fp32 = dataclasses.replace(bf16, weights_dtype="fp32")
+    gpus = dataclasses.replace(CHUNKED, gpus=8, cp=8)
+
+    def at_step(model, setup) -> dict[str, float]:
+        terms = planner.estimate(model, setup, 64 * K).terms
+        return {term.name: term.at["optimizer_step"] for term in terms}
+
+    shard = bf16.params / 8
+    default = at_step(bf16, gpus)
+    assert default == at_step(fp32, gpus)  # upcast: the same bytes as an fp32 checkpoint
+    assert default["parameters"] == 4 * shard and default["gradients"] == 4 * shard
+    assert default["optimizer state"] == 3 * 4 * shard  # two states and the foreach temporary
+    keep = dataclasses.replace(gpus, master_weights="keep")
+    kept = at_step(bf16, keep)
+    assert kept["parameters"] == 2 * shard and kept["gradients"] == 2 * shard
+    assert kept["optimizer state"] == 3 * 2 * shard
+    assert at_step(fp32, keep) == default  # an fp32 checkpoint kept is fp32
+    hows = {term.name: term.how for term in planner.estimate(bf16, keep, 64 * K).terms}
+    assert hows["optimizer state"].startswith("AdamW, 2 bf16 states") and hows["parameters"].startswith("bf16, sharded")
+    # mixed_precision no: fp32 compute for upcast weights, the weights' own bf16 for kept ones
+    plain = dataclasses.replace(gpus, precision="no")
+    assert planner.Sizes(bf16, plain, 64 * K).act == 4
+    assert planner.Sizes(bf16, dataclasses.replace(plain, master_weights="keep"), 64 * K).act == 2
+    assert planner.estimate(bf16, keep, 64 * K).peak < planner.estimate(bf16, gpus, 64 * K).peak
+
+
+@pytest.mark.usefixtures("isolated")
+def test_plan_reads_master_weights_from_the_profile(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_32_1B))
+    args = ("plan", "--model", str(tmp_path), "--seq-len", "64k", "--gpus", "8", "--json")
+    default, keep = (json.loads(cpctl(*args, *extra).stdout)["estimate"] for extra in ((), ("--master-weights", "keep")))
+    assert (default["setup"]["master_weights"], keep["setup"]["master_weights"]) == ("fp32", "keep")
+    assert keep["peak_gib"] < default["peak_gib"]
 
 
 @pytest.mark.parametrize(("text", "fragment"), [

@@ -24,6 +24,7 @@ class Setup:
     tp: int = 1
     strategy: str = "allgather"
     precision: str = "bf16"  # bf16 | fp16 | no
+    master_weights: str = "fp32"  # fp32 | keep: trainable parameters, gradients, AdamW state in the model's own dtype
     activation_checkpointing: bool = True
     checkpoint_level: str = "full"  # selective: attention's saved tensors are kept, not recomputed; mixed: a mix
     selective_blocks: int | None = None  # under mixed: how many blocks (the last ones) are selective; None: as fit
@@ -47,6 +48,7 @@ class Setup:
             dp_shard=profile.parallelism.dp_shard_size,
             tp=profile.parallelism.tp_size, strategy=profile.parallelism.cp_comm_strategy,
             precision=profile.fsdp.mixed_precision, activation_checkpointing=profile.fsdp.activation_checkpointing,
+            master_weights=getattr(profile.fsdp, "master_weights", "fp32"),
             reshard_after_forward=profile.fsdp.reshard_after_forward, chunked_loss=chunked_loss,
             checkpoint_level=getattr(memory, "checkpoint_level", "full"),
             selective_blocks=_count_or_none(getattr(memory, "selective_blocks", None)),
@@ -83,7 +85,8 @@ class Setup:
                    + (f" x tp {self.tp}" if self.tp > 1 else "")
                    + (f" x dp_replicate {self.gpus // others}" if self.gpus > others else ""),
                    (self.strategy if self.cp > 1 else "no CP") + (", Ulysses" if self.sp > 1 else ""),
-                   {"no": "fp32"}.get(self.precision, self.precision),
+                   {"no": "fp32"}.get(self.precision, self.precision)
+                   + (", master weights in the model's dtype (keep)" if self.master_weights == "keep" else ""),
                    f"activation checkpointing {self._checkpointing()}",
                    f"loss chunked ({self.loss_chunk_tokens} tokens)" if self.chunked_loss else "full logits in the loss"]
         if not self.reshard_after_forward:

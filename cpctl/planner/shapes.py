@@ -27,6 +27,7 @@ class ModelShape:
     head_dim: int
     tied_embeddings: bool = False
     notes: tuple[str, ...] = ()
+    weights_dtype: str | None = None  # bf16, fp16 or fp32 as the checkpoint holds them (config.json's dtype); None: not said
 
     @property
     def q_dim(self) -> int:
@@ -70,6 +71,7 @@ PRESETS: dict[str, ModelShape] = {
     "llama-3.1-8b": _llama("llama-3.1-8b", vocab=128256, dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336),
 }
 
+_HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # config.json's dtype names
 _HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
@@ -142,4 +144,6 @@ def model_from_hf_config(config: Mapping[str, Any], *, name: str) -> ModelShape:
         n_kv_heads=positive("num_key_value_heads", heads),
         ffn_dim=positive("intermediate_size"), head_dim=positive("head_dim", dim // heads),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), notes=tuple(notes),
+        # transformers 5 writes `dtype`, earlier releases `torch_dtype`: what from_pretrained and from_config build in
+        weights_dtype=_HF_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")).removeprefix("torch.")),
     )

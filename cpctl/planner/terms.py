@@ -32,15 +32,26 @@ class Sizes:
         return self.setup.batch * self.seq_len
 
     @property
+    def master(self) -> int:
+        """Bytes of a master weight, of its sharded gradient and of each AdamW state: fp32 (the
+        runtime upcasts low-precision weights), or the model's own bf16/fp16 with master_weights keep."""
+        kept = self.setup.master_weights == "keep" and self.model.weights_dtype in ("bf16", "fp16")
+        return 2 if kept else FP32
+
+    @property
+    def master_dtype(self) -> str:
+        return self.model.weights_dtype if self.master != FP32 else "fp32"
+
+    @property
     def act(self) -> int:  # bytes of an activation (and of a gathered parameter)
-        return FP32 if self.setup.precision == "no" else 2
+        return FP32 if self.setup.precision == "no" and self.master == FP32 else 2
 
     @property
     def dtype(self) -> str:
         return "fp32" if self.act == FP32 else "bf16"
 
     @property
-    def shards(self) -> int:  # FSDP shards the fp32 parameters, gradients and optimizer state over dp_shard x cp x sp
+    def shards(self) -> int:  # FSDP shards the master parameters, gradients and optimizer state over dp_shard x cp x sp
         return self.setup.dp_shard * self.setup.seq_ranks
 
     @property
@@ -75,11 +86,11 @@ def _at(loss: float = 0, mlp: float | None = None, attention: float | None = Non
 
 
 def parameters(z: Sizes) -> Term:
-    """fp32 master weights, sharded by FSDP."""
+    """Master weights (fp32 unless kept in the model's dtype), sharded by FSDP."""
     if z.setup.cpu_offload:
-        return Term("parameters", _at(0), "fp32, on CPU (cpu_offload)")
-    held = FP32 * z.params_per_gpu
-    return Term("parameters", _at(held, step=held), f"fp32, sharded over {z.shards} (dp_shard x cp)")
+        return Term("parameters", _at(0), f"{z.master_dtype}, on CPU (cpu_offload)")
+    held = z.master * z.params_per_gpu
+    return Term("parameters", _at(held, step=held), f"{z.master_dtype}, sharded over {z.shards} (dp_shard x cp)")
 
 
 def gathered_parameters(z: Sizes) -> Term:
@@ -96,23 +107,25 @@ def gathered_parameters(z: Sizes) -> Term:
 
 def gradients(z: Sizes) -> Term:
     """None at the loss (zero_grad(set_to_none=True)); in a block's backward the head's gradient
-    (kept gathered until backward ends), the block's own and its fp32 reduce-scatter input,
-    and in the last block the fp32 sharded gradients of all the others; all of them at the step."""
+    (kept gathered until backward ends), the block's own and its fp32 reduce-scatter input (under
+    mixed precision), and in the last block the sharded gradients (the master weights' dtype) of
+    all the others; all of them at the step."""
     head = z.act * z.model.vocab_size * z.model.dim
-    block = z.act * z.block_params_per_gpu + (FP32 * z.block_params_per_gpu if z.act != FP32 else 0)
-    done = 0 if z.setup.cpu_offload else (z.model.n_layers - 1) * FP32 * z.block_params_per_gpu / z.shards
-    sharded = 0 if z.setup.cpu_offload else FP32 * z.params_per_gpu
+    block = z.act * z.block_params_per_gpu + (FP32 * z.block_params_per_gpu if z.setup.precision != "no" else 0)
+    done = 0 if z.setup.cpu_offload else (z.model.n_layers - 1) * z.master * z.block_params_per_gpu / z.shards
+    sharded = 0 if z.setup.cpu_offload else z.master * z.params_per_gpu
     return Term("gradients", _at(0, mlp=head + block, last=head + block + done, step=sharded),
-                "head's + a block's in backward, + the other blocks' fp32 shards at the last; all at the step")
+                f"head's + a block's in backward, + the other blocks' {z.master_dtype} shards at the last; all at the step")
 
 
 def optimizer_state(z: Sizes) -> Term:
-    """AdamW: two fp32 states per parameter, sharded; its foreach step adds one more fp32 temporary."""
+    """AdamW: two states per parameter in the master weights' dtype, sharded; its foreach step adds
+    one more temporary."""
     if z.setup.cpu_offload:
         return Term("optimizer state", _at(0), "AdamW, on CPU (cpu_offload)")
-    state = 2 * FP32 * z.params_per_gpu
-    return Term("optimizer state", _at(0 if z.setup.first_step else state, step=state + FP32 * z.params_per_gpu),
-                "AdamW, 2 fp32 states; +1 temporary at the step")
+    state = 2 * z.master * z.params_per_gpu
+    return Term("optimizer state", _at(0 if z.setup.first_step else state, step=state + z.master * z.params_per_gpu),
+                f"AdamW, 2 {z.master_dtype} states; +1 temporary at the step")
 
 
 def _norm_saved(z: Sizes) -> float:
@@ -354,7 +367,7 @@ def host_memory(z: Sizes) -> float:
     if z.setup.offload_activations and z.setup.activation_checkpointing:
         host += offloaded_per_token(z) * z.local_tokens
     if z.setup.cpu_offload:
-        host += 4 * FP32 * z.params_per_gpu
+        host += 4 * z.master * z.params_per_gpu
     return host
 
 
