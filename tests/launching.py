@@ -75,6 +75,11 @@ def plain_losses(script: Path, *args: str, tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def error_lines(stderr: str) -> list[str]:
+    """The launcher's error lines (the one line a failure must be)."""
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
+
+
 def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=TIMEOUT)

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish, launch_env
+from launching import REPO, cpctl, error_lines, finish, launch_env
 
 SCRIPT = REPO / "scripts" / "train_llama.py"
 STEPS, HALF = 6, 3
@@ -119,10 +119,6 @@ def plain_run(tmp: Path, *args: str) -> subprocess.CompletedProcess:
     """`python train_llama.py` in one process, its output kept (the resume says what it did on stderr)."""
     return subprocess.run([sys.executable, str(SCRIPT), "--steps", str(STEPS), *args], cwd=tmp, env=launch_env(tmp),
                           capture_output=True, text=True, timeout=120, check=False)
-
-
-def error_lines(stderr: str) -> list[str]:
-    return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
 @pytest.fixture(scope="module")

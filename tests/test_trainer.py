@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from launching import REPO, TIMEOUT, cpctl, finish, launch_env, probed, probed_env
+from saved_models import largest_difference
 
 pytest.importorskip("transformers")
 pytest.importorskip("datasets")
@@ -53,13 +54,19 @@ def run_clm(tmp_path_factory: pytest.TempPathFactory, tiny_hub: Path) -> dict:
     code, out, err = finish(cpctl(*CP2, str(SCRIPT), *run_clm_args(tiny_hub, tmp / "cp"), tmp_path=tmp,
                                   env=probed_env(tmp)))
     assert code == 0, out + err
-    return {"plain": results(tmp / "plain"), "cp": results(tmp / "cp"), "probe": probed(tmp)}
+    return {"plain": results(tmp / "plain"), "cp": results(tmp / "cp"), "probe": probed(tmp), "dirs": tmp}
 
 
 def test_run_clm_trains_as_one_process(run_clm) -> None:
     want, got = run_clm["plain"]["losses"], run_clm["cp"]["losses"]
     assert len(want) == len(got) == STEPS and len(set(want)) == STEPS
     assert max(abs(a - b) for a, b in zip(want, got)) <= TOLERANCE, (got, want)
+
+
+def test_run_clm_saves_the_model_one_process_trains(run_clm) -> None:
+    """Its `trainer.save_model()` under FSDP (accelerate's default SHARDED_STATE_DICT) wrote nothing before."""
+    dirs = run_clm["dirs"]
+    assert largest_difference(dirs / "cp", dirs / "plain") <= TOLERANCE
 
 
 def test_run_clm_evaluates_and_predicts_as_one_process(run_clm) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from launching import TIMEOUT, cpctl, finish, launch_env, probed, probed_env
+from saved_models import largest_difference
 
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
@@ -54,7 +55,7 @@ def run_sft(tmp: Path, hub: Path, *extra: str) -> dict:
     code, out, err = finish(cpctl(*CP2, "-m", "trl.scripts.sft", *sft_args(hub, tmp / "cp", *extra), tmp_path=tmp,
                                   env=probed_env(tmp)))
     assert code == 0, out + err
-    return {"plain": logged(tmp / "plain"), "cp": logged(tmp / "cp"), "probe": probed(tmp), "err": err}
+    return {"plain": logged(tmp / "plain"), "cp": logged(tmp / "cp"), "probe": probed(tmp), "err": err, "dirs": tmp}
 
 
 def assert_same_logs(run: dict) -> None:
@@ -85,6 +86,13 @@ def test_sft_with_its_default_collator_equals_one_process(default_collator) -> N
     """Right-padded batches of varying length (TRL's collator), some of a length 4 does not divide."""
     assert_same_logs(default_collator)
     assert_cp_ran(default_collator, padded=True)
+
+
+def test_sft_saves_the_model_one_process_trains(default_collator) -> None:
+    """The sft script's final `trainer.save_model` (and its checkpoint), in Hugging Face's format."""
+    dirs = default_collator["dirs"]
+    assert largest_difference(dirs / "cp", dirs / "plain") <= TOLERANCE
+    assert largest_difference(dirs / "cp" / f"checkpoint-{STEPS}", dirs / "plain" / f"checkpoint-{STEPS}") <= TOLERANCE
 
 
 def test_sft_packing_with_the_documented_cp_settings_equals_one_process(tmp_path: Path, hub: Path) -> None:

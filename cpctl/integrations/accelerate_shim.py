@@ -110,7 +110,7 @@ def install(profile: config.Profile, runtime: Any | None) -> None:
         PATCHES.replace(Accelerator, "gather_for_metrics", lambda original: _once_per_sequence(original, runtime),
                         why="the CP ranks of a group hold the same samples: one copy each, as one process has")
     trainer.install(runtime)
-    fsdp_saving.install()
+    fsdp_saving.install_accelerate()
     for state in (PartialState, AcceleratorState):
         PATCHES.replace(state, "destroy_process_group", _closing, why="teardown as cpctl's exit does it")
     if profile.launch.device == "cpu":

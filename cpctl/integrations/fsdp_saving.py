@@ -1,55 +1,139 @@
-"""`model.save_pretrained(...)` of a model FSDP2 shards (accelerate's `prepare` on cpctl's route).
+"""A sharded model saved in Hugging Face's format, from every route: the files transformers writes.
 
-transformers gathers sharded weights for saving only for models it sharded itself (its
-`distributed_config`); a model accelerate's FSDP2 prepared holds DTensor shards, which
-safetensors cannot write. Every rank calls `save_pretrained` (as accelerate's examples do): here
-they gather the full state dict together (torch.distributed.checkpoint's `get_model_state_dict`,
-to CPU, on rank 0), and rank 0 writes what one process would have written.
+transformers gathers sharded weights only for models it sharded itself, and safetensors cannot
+write DTensor shards; the Trainer under FSDP writes no model at all unless told
+FULL_STATE_DICT. Here, for a model whose parameters are DTensors (cpctl's `prepare_model`,
+accelerate's FSDP2 on cpctl's route, the Trainer and TRL, which prepare through accelerate):
+
+* `PreTrainedModel.save_pretrained(dir)`, called on every rank as accelerate's examples do:
+  the full weights are gathered (or taken from the `state_dict=` the caller gathered, e.g.
+  `accelerator.get_state_dict(model)`), and rank 0 writes what one process would have written,
+  safetensors sharded with an index past `max_shard_size`;
+* `Accelerator.get_state_dict(model)` gathers the full weights to rank 0 (as accelerate's own
+  FSDP2 branch means to) and `Accelerator.save_model(model, dir)` writes them once;
+* `Trainer.save_model(dir)` (and so its periodic checkpoints and TRL's trainers): the same
+  full weights whatever `FSDP_STATE_DICT_TYPE` says, with the Trainer's own extra files
+  (tokenizer, training arguments); the Trainer's sharded resume files are still written beside.
+
+Every write goes through cpctl.runtime.saving: all ranks together, into a staging directory
+moved in only when complete, one error line on every rank when it cannot be done.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+from pathlib import Path
 from typing import Any
 
 from cpctl.integrations.patches import PATCHES
+from cpctl.runtime import saving
 
-CHECKPOINT_WRAPPER = "._checkpoint_wrapped_module"  # what activation checkpointing adds to parameter names
+# Inside rank 0's write: the nested save_pretrained (the Trainer's `_save` calls it) writes as is.
+_writing: contextvars.ContextVar[bool] = contextvars.ContextVar("cpctl_writing", default=False)
+# Inside rank 0's write of Accelerator.save_model: the weights it gathered, for its own get_state_dict call.
+_gathered: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cpctl_gathered", default=None)
 
 
 def install() -> None:
+    """Patch transformers' saving (once per process; a no-op without transformers)."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
         return
-    from transformers import PreTrainedModel
+    from transformers import PreTrainedModel, Trainer
 
-    PATCHES.replace(PreTrainedModel, "save_pretrained", _gathering,
-                    why="an FSDP2-sharded model saves its full weights from rank 0")
+    if not PATCHES.is_patched(PreTrainedModel, "save_pretrained"):
+        PATCHES.replace(PreTrainedModel, "save_pretrained", _gathering,
+                        why="a sharded model saves its full weights, written once by rank 0, never half")
+    if not PATCHES.is_patched(Trainer, "save_model"):
+        PATCHES.replace(Trainer, "save_model", _saving_full_weights,
+                        why="the Trainer under FSDP saves the full model in Hugging Face's format, whatever "
+                            "FSDP_STATE_DICT_TYPE says")
+
+
+def install_accelerate() -> None:
+    """Patch accelerate's saving as well (an accelerate script's worker, the Trainer's and TRL's)."""
+    from accelerate import Accelerator
+
+    install()
+    PATCHES.replace(Accelerator, "get_state_dict", _full_on_rank0,
+                    why="a sharded model's full weights gathered to rank 0 under the unwrapped model's names")
+    PATCHES.replace(Accelerator, "save_model", _accelerate_writing_once,
+                    why="a sharded model written once by rank 0, never half")
+
+
+def _full_on_rank0(get_state_dict: Any) -> Any:
+    @functools.wraps(get_state_dict)
+    def gathered(self, model, unwrap=True):
+        if (full := _gathered.get()) is not None:
+            return full
+        if not saving.is_sharded(model):
+            return get_state_dict(self, model, unwrap)
+        return saving.full_state_dict(model, what="accelerator.get_state_dict")
+
+    return gathered
+
+
+def _accelerate_writing_once(save_model: Any) -> Any:
+    @functools.wraps(save_model)
+    def save_once(self, model, save_directory, *args, **kwargs):
+        if not saving.is_sharded(model):
+            return save_model(self, model, save_directory, *args, **kwargs)
+        full = saving.full_state_dict(model, what="accelerator.save_model")
+
+        def write(staging: Path) -> None:
+            token = _gathered.set(full)
+            try:
+                save_model(self, model, staging, *args, **kwargs)
+            finally:
+                _gathered.reset(token)
+
+        saving.write_together(save_directory, write, what="saving the model (accelerator.save_model)")
+
+    return save_once
 
 
 def _gathering(save_pretrained: Any) -> Any:
     @functools.wraps(save_pretrained)
     def save_full(self, save_directory, *args, **kwargs):
-        if kwargs.get("state_dict") is not None or not _is_fsdp2(self):
+        if _writing.get() or not saving.is_sharded(self):
             return save_pretrained(self, save_directory, *args, **kwargs)
-        import torch.distributed as dist
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        given = kwargs.pop("state_dict", None)
+        what = f"{type(self).__name__}.save_pretrained"
+        if given is None:
+            full = saving.full_state_dict(self, what=what)
+        else:  # gathered by the caller (accelerator.get_state_dict): every rank still comes here
+            saving.arrive_together(what)
+            full = {name.replace(saving.CHECKPOINT_WRAPPER, ""): tensor for name, tensor in given.items()}
+        kwargs["is_main_process"] = True  # rank 0 writes: write_together asks no one else
 
-        full = get_model_state_dict(self, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        full = {name.replace(CHECKPOINT_WRAPPER, ""): tensor for name, tensor in full.items()}
-        main = dist.get_rank() == 0
-        kwargs.update(state_dict=full if main else {}, is_main_process=main and kwargs.get("is_main_process", True))
-        result = save_pretrained(self, save_directory, *args, **kwargs) if main else None
-        dist.barrier()  # the files exist for every rank once it returns
-        return result
+        def write(staging: Path) -> None:
+            _write_as_one_process(lambda: save_pretrained(self, staging, *args, state_dict=full, **kwargs))
+
+        saving.write_together(save_directory, write, what=f"saving the model ({what})")
 
     return save_full
 
 
-def _is_fsdp2(model: Any) -> bool:
+def _saving_full_weights(save_model: Any) -> Any:
+    @functools.wraps(save_model)
+    def save_full(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not saving.is_sharded(self.model):
+            return save_model(self, output_dir, _internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        full = saving.full_state_dict(self.model, what="Trainer.save_model")
+        saving.write_together(output_dir, lambda staging: _write_as_one_process(lambda: self._save(str(staging), state_dict=full)),
+                              what="saving the model (Trainer.save_model)")
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    return save_full
+
+
+def _write_as_one_process(write: Any) -> None:
+    token = _writing.set(True)
     try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch 2.6 keeps FSDP2 here
-        from torch.distributed._composable.fsdp import FSDPModule
-    return isinstance(model, FSDPModule)
+        write()
+    finally:
+        _writing.reset(token)

@@ -42,6 +42,7 @@ from torch import nn
 
 from cpctl.attention.dispatch import MODEL_CAUSAL_MASK
 from cpctl.errors import CpctlError
+from cpctl.integrations import fsdp_saving
 
 if TYPE_CHECKING:
     from cpctl.integrations.runtime_view import RuntimeView
@@ -73,6 +74,7 @@ def prepare(model: nn.Module, runtime: RuntimeView) -> bool:
     """
     global _runtime
     _runtime = runtime
+    fsdp_saving.install()  # once sharded, save_pretrained must gather before it writes
     config = model.config
     problems = [*_config_problems(config),
                 *_head_problems(config, sp_size=runtime.sp_size, tp_size=runtime.config.parallelism.tp_size)]

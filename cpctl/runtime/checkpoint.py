@@ -23,7 +23,6 @@ complete one before it, saying so on one line).
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import re
@@ -41,15 +40,13 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from cpctl.errors import CpctlError
 from cpctl.failure_report import note_checkpoint
-from cpctl.planner.units import GiB
-from cpctl.runtime import integrity
+from cpctl.runtime import disk, integrity
 
 _STEP_DIR = re.compile(r"step-(\d+)$")
 _PARTIAL = ".partial"
 _DAMAGED = ".damaged"
 _META = "cpctl-meta.pt"
 _log = logging.getLogger("cpctl")
-_SMALL_DISK = 64 << 20  # less free than this (or than a checkpoint) after a failed write: the disk filled up
 
 
 @dataclass
@@ -155,27 +152,13 @@ class Checkpointer:
     def _cannot_write(self, exc: BaseException, *, final: Path) -> str:
         """One line: which checkpoint, where, why (the OS's reason), what is kept, and the fix."""
         rank, cause = _root_os_error(exc)
-        where = f"checkpoint {final.name} in {self.directory}"
         on = f" (rank {rank})" if rank is not None and _world() > 1 else ""
         latest = self.checkpoints()
         kept = f"the latest complete checkpoint is still {latest[-1].name}" if latest else "no complete checkpoint yet"
-        code = getattr(cause, "errno", None)
-        reason = getattr(cause, "strerror", None) or _first_line(cause or exc)
-        free, size = _free_bytes(self.directory), _size(latest[-1]) if latest else 0
-        # torch's zip writer reports a write cut short by a full disk as "unexpected pos": no errno
-        full = code in (errno.ENOSPC, errno.EDQUOT) or (code is None and free < max(size, _SMALL_DISK))
-        if full:
-            reason = reason if code is not None else "a write was cut short"
-            need = f"; a checkpoint takes {_amount(size)}" if size else ""
-            fix = (f"the disk is full ({reason}{on}; {_amount(free)} free{need}); {kept}: free space, keep fewer "
-                   "checkpoints (Checkpointer(keep=...)) or save to another directory")
-        elif code == errno.EFBIG:
-            fix = f"a file exceeds the size limit ({reason}{on}; see `ulimit -f`); {kept}: raise the limit"
-        elif code in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
-            fix = f"cannot write there ({reason}{on}); {kept}: choose a writable directory"
-        else:
-            fix = f"writing failed ({type(cause or exc).__name__}: {reason}{on}); {kept}"
-        return f"{where}: {fix}"
+        fix = disk.write_failure(cause if isinstance(cause, OSError) else None, exc, directory=self.directory,
+                                 kept=kept, size=_size(latest[-1]) if latest else 0, on=on,
+                                 room="keep fewer checkpoints (Checkpointer(keep=...)) or save to another directory")
+        return f"checkpoint {final.name} in {self.directory}: {fix}"
 
     # ------------------------------------------------------------------ load
 
@@ -236,7 +219,7 @@ class Checkpointer:
         except CheckpointException as exc:
             rank, cause = _root_os_error(exc)
             raise CpctlError(f"checkpoint {path}: cannot be loaded into this model and optimizer (rank {rank}: "
-                             f"{type(cause).__name__}: {_first_line(cause)}); was it saved from another model?") from None
+                             f"{type(cause).__name__}: {disk.first_line(cause)}); was it saved from another model?") from None
         set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
         meta = _read_meta(path)
         if meta["world_size"] == _world():  # per-rank states mean nothing under another layout
@@ -319,28 +302,7 @@ def _root_os_error(exc: BaseException) -> tuple[int | None, BaseException | None
         rank = min(exc.failures)
         failure = exc.failures[rank]
         cause = failure[0] if isinstance(failure, tuple) else failure
-    seen = cause
-    while seen is not None:
-        if isinstance(seen, OSError):
-            return rank, seen
-        seen = seen.__cause__ or seen.__context__
-    return rank, cause
-
-
-def _first_line(exc: BaseException | None) -> str:
-    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
-    return lines[0][:300] if lines else type(exc).__name__
-
-
-def _amount(nbytes: int) -> str:
-    return f"{nbytes / GiB:.1f} GiB" if nbytes >= GiB else f"{nbytes / 2**20:.1f} MiB"
-
-
-def _free_bytes(directory: Path) -> int:
-    try:
-        return shutil.disk_usage(directory).free
-    except OSError:
-        return 0
+    return rank, disk.os_error_in(cause) or cause
 
 
 def _size(directory: Path) -> int:

@@ -81,6 +81,11 @@ def start(device: torch.device, *, on_exit: Callable[[], None], timeout_s: int) 
 _COMM_TIMEOUT = datetime.timedelta(minutes=30)
 
 
+def comm_timeout_s() -> float:
+    """How long a collective waits for its peers (the profile's comm_timeout)."""
+    return _COMM_TIMEOUT.total_seconds()
+
+
 def apply_timeout(groups: list[dist.ProcessGroup]) -> None:
     """The comm timeout on groups made after start (a DeviceMesh's sub-groups take torch's default)."""
     for group in groups:
