@@ -33,7 +33,7 @@ from cpctl.attention.ulysses import ulysses_attention
 from cpctl.errors import CpctlError
 from cpctl.integrations import huggingface
 from cpctl.runtime import documents as packing
-from cpctl.runtime import guards, losses, padding, process
+from cpctl.runtime import guards, loading, losses, padding, process
 from cpctl.runtime.checkpoint_levels import BlockLevels
 from cpctl.runtime.loader import EpochDataLoader, ResumableSampler
 from cpctl.runtime.mesh import build_mesh
@@ -173,7 +173,10 @@ class Runtime:
         """
         before = {id(p): p for p in model.parameters()}
         checkpointing = self._adopt(model)
-        model = model.to(self.device)
+        if loading.has_meta_parameters(model):  # rt.from_pretrained's: given memory once sharded
+            loading.move_buffers(model, self.device)
+        else:
+            model = model.to(self.device)
         if self.config.parallelism.tp_size > 1:
             apply_tensor_parallel(model, tp_mesh=self.axes["tp"], tp_plan=tp_plan)
         found = self._transform_blocks(model, list(blocks) if blocks is not None else None, checkpointing=checkpointing)
@@ -190,6 +193,20 @@ class Runtime:
         self.finish_model(model)
         guards.forget_replaced_parameters(before, model)
         return model
+
+    def from_pretrained(self, model_class: Any, path: str | os.PathLike, *, tp_plan: dict | None = None,
+                        **kwargs: Any) -> nn.Module:
+        """`model_class.from_pretrained(path, **kwargs)` prepared as prepare_model does, without a
+        full copy of the weights on any rank: built on the meta device, sharded, then each rank
+        reads its shards' slices of the local safetensors files (runtime/loading.py). Collective.
+
+        `model_class` is a transformers class (`AutoModelForCausalLM`, `LlamaForCausalLM`);
+        `kwargs` go to it as to from_pretrained (`attn_implementation`, `dtype`). Like
+        from_pretrained it returns the model in eval mode: call `model.train()` to train."""
+        model, tied = loading.build_on_meta(model_class, path, **kwargs)
+        model = self.prepare_model(model, tp_plan=tp_plan)
+        loading.load_weights(model, path, device=self.device, tied=tied)
+        return model.eval()
 
     def ready_model(self, model: nn.Module) -> nn.Module:
         """What prepare_model does before FSDP, for a framework that applies FSDP itself

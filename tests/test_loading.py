@@ -1,0 +1,98 @@
+"""Pretrained weights in without a full copy per rank: `rt.from_pretrained` of a local bf16
+checkpoint (several safetensors files, tied and untied heads) gives the checkpoint's weights
+bit for bit (as fp32 master weights), its buffers, and the training of the way before it
+(`from_pretrained` on every rank, then `rt.prepare_model`), in one process and at cp 2.
+Bad checkpoints are one line. The host memory it saves is measured by scripts/bench_loading.py.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launching import REPO, TIMEOUT, cpctl, error_lines, finish, launch_env
+
+pytest.importorskip("transformers")
+
+WORKER = REPO / "tests" / "workers" / "load_cases.py"
+TOLERANCE = 1e-5
+
+
+def checkpoint(tmp_path: Path, *, tied: bool) -> Path:
+    path = tmp_path / ("tied" if tied else "untied")
+    subprocess.run([sys.executable, str(WORKER), str(path), "-", "--write-checkpoint", *(["--tied"] if tied else [])],
+                   check=True, env=launch_env(tmp_path), capture_output=True, timeout=TIMEOUT)
+    assert len(list(path.glob("*.safetensors"))) > 1
+    return path
+
+
+def assert_loaded_exactly(result: dict) -> None:
+    assert result["names_differ"] == []
+    assert result["largest_weight_difference"] == 0.0  # bit-equal: bf16 values are exact in fp32
+    assert result["dtypes"] == ["torch.float32"]  # fp32 master weights from a bf16 checkpoint
+    assert result["largest_buffer_difference"] == 0.0  # RoPE's inverse frequencies, computed, not loaded
+    assert result["mode_after_loading"] == "eval"  # as from_pretrained returns it
+    assert len(set(result["losses"])) == 2  # it trains
+    for got, want in zip(result["losses"], result["losses_loaded_the_old_way"]):
+        assert abs(got - want) <= TOLERANCE
+
+
+def test_one_process_loads_the_checkpoint_exactly(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    proc = subprocess.run([sys.executable, str(WORKER), str(checkpoint(tmp_path, tied=False)), str(out)], cwd=tmp_path,
+                          env=launch_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_loaded_exactly(json.loads(out.read_text()))
+
+
+def test_cp2_loads_a_tied_checkpoint_exactly(tmp_path: Path) -> None:
+    out = tmp_path / "result.json"
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(WORKER),
+                                        str(checkpoint(tmp_path, tied=True)), str(out), tmp_path=tmp_path))
+    assert code == 0, stdout + stderr
+    assert_loaded_exactly(json.loads(out.read_text()))
+
+
+def run_loading(tmp_path: Path, path: Path) -> str:
+    code = (f"import cpctl; from transformers import AutoModelForCausalLM; "
+            f"cpctl.init().from_pretrained(AutoModelForCausalLM, {str(path)!r})")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=launch_env(tmp_path), capture_output=True,
+                          text=True, timeout=TIMEOUT, check=False)
+    assert proc.returncode != 0
+    return proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_checkpoint_of_another_shape_is_one_line(tmp_path: Path) -> None:
+    path = checkpoint(tmp_path, tied=False)
+    from safetensors.torch import load_file, save_file
+
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    name = "model.layers.1.mlp.down_proj.weight"
+    file = path / index["weight_map"][name]
+    weights = load_file(file)
+    del weights[name]
+    save_file(weights, file, metadata={"format": "pt"})
+    line = run_loading(tmp_path, path)
+    assert "the checkpoint does not fit the model: 1 weights of the model are not in it" in line and name in line, line
+
+
+def test_not_a_local_checkpoint_is_one_line(tmp_path: Path) -> None:
+    line = run_loading(tmp_path, tmp_path / "meta-llama/Llama-3.2-1B")
+    assert "not a local directory with .safetensors files; download the checkpoint first" in line, line
+
+
+@pytest.mark.full
+def test_an_accelerate_script_loads_a_bf16_checkpoint_into_exact_fp32_master_weights(tmp_path: Path) -> None:
+    """`from_pretrained` on every rank, then `accelerator.prepare` (one copy per rank still:
+    scripts/bench_loading.py measures it)."""
+    out = tmp_path / "result.json"
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api",
+                                        "accelerate", str(WORKER), str(checkpoint(tmp_path, tied=True)), str(out),
+                                        "--accelerate", tmp_path=tmp_path))
+    assert code == 0, stdout + stderr
+    result = json.loads(out.read_text())
+    assert result["names_differ"] == [] and result["largest_weight_difference"] == 0.0
+    assert result["dtypes"] == ["torch.float32"]
