@@ -48,12 +48,12 @@ def train(rt, model: torch.nn.Module) -> list[float]:
     generator = torch.Generator().manual_seed(1)
     losses = []
     for _ in range(2):
-        ids = torch.randint(VOCAB, (1, SEQ), generator=generator)
+        ids = torch.randint(VOCAB, (1, SEQ), generator=generator).to(rt.device)
         labels, pos = cpctl.shift_labels(ids), cpctl.position_ids_like(ids)
         with rt.maybe_context_parallel(buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1],
                                        no_restore_buffers={ids, labels, pos}):
             logits = model(input_ids=ids, position_ids=pos).logits
-            loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
+            loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
             loss = rt.token_mean(loss_sum, labels)
             loss.backward()
         optimizer.step()

@@ -58,7 +58,7 @@ def runtime_route(out: Path, *, into: Path | None, main_only: bool) -> None:
     rt = cpctl.init()
     model = rt.prepare_model(tiny_llama())
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for ids in rows(STEPS).split(1):
+    for ids in rows(STEPS).to(rt.device).split(1):
         labels, pos = cpctl.shift_labels(ids), cpctl.position_ids_like(ids)
         with rt.maybe_context_parallel(buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1],
                                        no_restore_buffers={ids, labels, pos}):
