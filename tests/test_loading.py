@@ -40,6 +40,7 @@ def assert_loaded_exactly(result: dict) -> None:
         assert abs(got - want) <= TOLERANCE
 
 
+@pytest.mark.full
 def test_one_process_loads_the_checkpoint_exactly(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
     proc = subprocess.run([sys.executable, str(WORKER), str(checkpoint(tmp_path, tied=False)), str(out)], cwd=tmp_path,
@@ -50,8 +51,9 @@ def test_one_process_loads_the_checkpoint_exactly(tmp_path: Path) -> None:
 
 def test_cp2_loads_a_tied_checkpoint_exactly(tmp_path: Path) -> None:
     out = tmp_path / "result.json"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(WORKER),
-                                        str(checkpoint(tmp_path, tied=True)), str(out), tmp_path=tmp_path))
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api",
+                                        "cpctl", str(WORKER), str(checkpoint(tmp_path, tied=True)), str(out),
+                                        tmp_path=tmp_path))
     assert code == 0, stdout + stderr
     assert_loaded_exactly(json.loads(out.read_text()))
 
@@ -84,15 +86,34 @@ def test_not_a_local_checkpoint_is_one_line(tmp_path: Path) -> None:
     assert "not a local directory with .safetensors files; download the checkpoint first" in line, line
 
 
-@pytest.mark.full
-def test_an_accelerate_script_loads_a_bf16_checkpoint_into_exact_fp32_master_weights(tmp_path: Path) -> None:
-    """`from_pretrained` on every rank, then `accelerator.prepare` (one copy per rank still:
-    scripts/bench_loading.py measures it)."""
+def test_an_accelerate_script_reads_the_checkpoint_on_rank_0_only_and_trains_as_one_process(tmp_path: Path) -> None:
+    """`from_pretrained` on every rank, then `accelerator.prepare`: rank 1 holds empty parameters
+    until accelerate's FSDP2 preparation sends it its shards from rank 0."""
+    path = checkpoint(tmp_path, tied=True)
+    plain = tmp_path / "plain.json"
+    proc = subprocess.run([sys.executable, str(WORKER), str(path), str(plain), "--accelerate"], cwd=tmp_path,
+                          env=launch_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     out = tmp_path / "result.json"
     code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api",
-                                        "accelerate", str(WORKER), str(checkpoint(tmp_path, tied=True)), str(out),
-                                        "--accelerate", tmp_path=tmp_path))
+                                        "accelerate", str(WORKER), str(path), str(out), "--accelerate",
+                                        tmp_path=tmp_path))
     assert code == 0, stdout + stderr
-    result = json.loads(out.read_text())
+    result, reference = json.loads(out.read_text()), json.loads(plain.read_text())
     assert result["names_differ"] == [] and result["largest_weight_difference"] == 0.0
-    assert result["dtypes"] == ["torch.float32"]
+    assert result["dtypes"] == ["torch.float32"]  # fp32 master weights from the bf16 checkpoint
+    assert result["ranks_that_read_the_weights"] == [0]
+    assert len(set(result["losses"])) == 2
+    for got, want in zip(result["losses"], reference["losses"]):
+        assert abs(got - want) <= TOLERANCE
+
+
+@pytest.mark.full
+def test_a_model_called_before_accelerate_sends_its_weights_is_one_line(tmp_path: Path) -> None:
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api",
+                                        "accelerate", str(WORKER), str(checkpoint(tmp_path, tied=True)),
+                                        str(tmp_path / "out.json"), "--accelerate", "--call-before-prepare",
+                                        tmp_path=tmp_path))
+    assert code == 1, stdout + stderr
+    (line,) = error_lines(stderr)
+    assert "rank 1" in line and "reads a checkpoint on rank 0 only" in line and "accelerator.prepare" in line, line

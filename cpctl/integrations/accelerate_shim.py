@@ -35,7 +35,7 @@ from typing import Any
 
 from cpctl import config
 from cpctl.errors import CpctlError
-from cpctl.integrations import accelerate_sp, fsdp_saving, trainer
+from cpctl.integrations import accelerate_sp, fsdp_saving, hf_loading, trainer
 from cpctl.integrations.patches import PATCHES
 from cpctl.versions import KNOWN_ACCELERATE, is_known
 
@@ -111,6 +111,7 @@ def install(profile: config.Profile, runtime: Any | None) -> None:
                         why="the CP ranks of a group hold the same samples: one copy each, as one process has")
     trainer.install(runtime)
     fsdp_saving.install_accelerate()
+    hf_loading.install(runtime)
     for state in (PartialState, AcceleratorState):
         PATCHES.replace(state, "destroy_process_group", _closing, why="teardown as cpctl's exit does it")
     if profile.launch.device == "cpu":
@@ -157,11 +158,16 @@ def _adopting(prepare: Any, runtime: Any) -> Any:
         for model in fresh:
             runtime.ready_model(model)
             if runtime.config.fsdp.version == 2:  # fp32 master weights whatever accelerate's mixed_precision
-                master_weights_for_fsdp(model, master_weights=runtime.config.fsdp.master_weights, main=runtime.is_main)
+                master_weights_for_fsdp(model, master_weights=runtime.config.fsdp.master_weights, main=runtime.is_main,
+                                        placeholders=hf_loading.has_placeholders(model))
             setattr(model, ADOPTED, True)
+        if any(hf_loading.sends_from_rank0(model) for model in fresh):
+            # accelerate's own path for weights only rank 0 holds: shard on meta, then rank 0 sends
+            self.state.fsdp_plugin.cpu_ram_efficient_loading = True
         prepared = prepare(self, *args, **kwargs)
         for model in fresh:
             runtime.finish_model(model)
+            hf_loading.filled(model)
         for item in prepared if isinstance(prepared, tuple) else (prepared,):
             if isinstance(item, torch.nn.Module):
                 setattr(item, ADOPTED, True)  # a wrapper (DDP) passed back in later

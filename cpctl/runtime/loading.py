@@ -35,7 +35,10 @@ def build_on_meta(model_class: Any, path: str | os.PathLike, **kwargs: Any) -> t
                          "download the checkpoint first (e.g. `hf download NAME --local-dir DIR`), or convert "
                          "pickled weights with save_pretrained")
     config_keys = {"trust_remote_code", "revision"}
-    config = AutoConfig.from_pretrained(directory, **{k: v for k, v in kwargs.items() if k in config_keys})
+    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(
+        directory, **{k: v for k, v in kwargs.items() if k in config_keys})
+    if kwargs.get("dtype", kwargs.get("torch_dtype")) == "auto":  # the checkpoint's: the config's own
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("dtype", "torch_dtype")}
     build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
     with parameters_on_meta():
         model = build(config, **{k: v for k, v in kwargs.items() if k not in config_keys})
@@ -90,20 +93,29 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, device: torch.dev
         raise CpctlError(f"rt.from_pretrained reads safetensors through torch.distributed.checkpoint's "
                          f"HuggingFaceStorageReader, which torch {torch.__version__} lacks: install torch>=2.9, "
                          "or load with from_pretrained and rt.prepare_model") from None
-    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
-    model.to_empty(device=device)
-    with torch.no_grad():  # to_empty left the buffers uninitialised too
-        for name, buffer in model.named_buffers():
-            buffer.copy_(buffers[name])
+    buffers = materialize(model, device=device)
     reader = HuggingFaceStorageReader(str(path))
     stored = set(reader.read_metadata().state_dict_metadata)
     state = get_model_state_dict(model)
-    _check_names(set(state), stored, tied=tied, buffers=set(buffers), path=path)
+    _check_names(set(state), stored, tied=tied, buffers=buffers, path=path)
     state = {name: tensor for name, tensor in state.items() if name in stored}
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+def materialize(model: nn.Module, *, device: torch.device | str) -> set[str]:
+    """Meta parameters become empty tensors on `device` (values to be written by a load); buffers
+    keep their values and tied parameters stay tied. Returns the buffers' names."""
+    buffers = {name: buffer.detach().clone() for name, buffer in model.named_buffers()}
+    model.to_empty(device=device)
+    with torch.no_grad():  # to_empty left the buffers uninitialised too
+        for name, buffer in model.named_buffers():
+            buffer.copy_(buffers[name])
+    if hasattr(model, "tie_weights"):  # to_empty gives each name its own tensor
+        model.tie_weights()
+    return set(buffers)
 
 
 def _check_names(wanted: set[str], stored: set[str], *, tied: list[set[str]], buffers: set[str], path: Any) -> None:

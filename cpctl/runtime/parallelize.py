@@ -110,13 +110,15 @@ def low_precision_trainable(model: nn.Module) -> Counter[str]:
     return Counter(_LOW[p.dtype] for p in model.parameters() if p.requires_grad and p.dtype in _LOW)
 
 
-def upcast_trainable(module: nn.Module) -> None:
+def upcast_trainable(module: nn.Module, *, placeholders: bool = False) -> None:
     """Trainable bf16/fp16 parameters become fp32 in place (the same Parameter objects, so an
     optimizer built on them still holds them, as accelerate's `fsdp2_prepare_model` does it);
-    frozen parameters (a LoRA base) and buffers keep their dtype."""
+    frozen parameters (a LoRA base) and buffers keep their dtype. `placeholders`: the values are
+    to be overwritten (rank 0 sends them), so fp32 memory is reserved, not written."""
     for param in module.parameters():
         if param.requires_grad and param.dtype in _LOW:
-            param.data = param.data.to(torch.float32)
+            param.data = (torch.empty_like(param.data, dtype=torch.float32) if placeholders
+                          else param.data.to(torch.float32))
 
 
 def tell_master_weights(found: Counter[str], *, master_weights: str, main: bool) -> None:
@@ -137,12 +139,12 @@ def tell_master_weights(found: Counter[str], *, master_weights: str, main: bool)
     _log.log(logging.INFO if first else logging.DEBUG, message)
 
 
-def master_weights_for_fsdp(model: nn.Module, *, master_weights: str, main: bool) -> None:
+def master_weights_for_fsdp(model: nn.Module, *, master_weights: str, main: bool, placeholders: bool = False) -> None:
     """What accelerate's FSDP2 preparation is to find (the accelerate route): trainable
     low-precision parameters as fp32, unless the profile keeps them; said once."""
     found = low_precision_trainable(model)
     if master_weights == "fp32":
-        upcast_trainable(model)
+        upcast_trainable(model, placeholders=placeholders)
     tell_master_weights(found, master_weights=master_weights, main=main)
 
 

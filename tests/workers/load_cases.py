@@ -9,7 +9,8 @@ against the checkpoint's (bit-equal expected), dtypes, buffers, and both ways' l
     cpctl launch ... --script-api accelerate tests/workers/load_cases.py CHECKPOINT OUT --accelerate
 
 `--accelerate`: an accelerate script's way (`from_pretrained` on every rank, then
-`accelerator.prepare`); OUT gets the loaded weights against the checkpoint's.
+`accelerator.prepare`, where only rank 0 reads and accelerate sends the shards); OUT gets the
+loaded weights against the checkpoint's, which ranks read it, and two steps' losses.
 """
 
 from __future__ import annotations
@@ -62,20 +63,57 @@ def train(rt, model: torch.nn.Module) -> list[float]:
     return losses
 
 
-def accelerate_way(checkpoint: Path, out: Path) -> None:
+def accelerate_way(checkpoint: Path, out: Path, *, call_before_prepare: bool = False) -> None:
     from accelerate import Accelerator
 
     accelerator = Accelerator()
     model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa")
+    if call_before_prepare:  # the mistake: rank 1 holds no weights yet
+        model(input_ids=torch.zeros(1, SEQ, dtype=torch.long))
+    stored = stored_weights(checkpoint)  # from the files: from_pretrained on rank 1 would read nothing
+    read = all(torch.equal(tensor, stored[name]) for name, tensor in model.state_dict().items() if name in stored)
+    readers = [read]
+    if accelerator.num_processes > 1:
+        readers = [None] * accelerator.num_processes
+        torch.distributed.all_gather_object(readers, read)
+    if accelerator.num_processes == 1:
+        model.float()  # the reference: one plain process training the fp32 weights cpctl's runs keep
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
-    weights = accelerator.get_state_dict(model)
+    weights = {name: tensor.clone() for name, tensor in accelerator.get_state_dict(model).items()}
+    losses = train_steps(accelerator, model, optimizer)
     if accelerator.is_main_process:
         want = LlamaForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict()
         out.write_text(json.dumps({
             "names_differ": sorted(set(weights) ^ set(want)),
             "largest_weight_difference": max((weights[k] - want[k]).abs().max().item() for k in want),
-            "dtypes": sorted({str(tensor.dtype) for tensor in weights.values()})}))
+            "dtypes": sorted({str(tensor.dtype) for tensor in weights.values()}),
+            "ranks_that_read_the_weights": [rank for rank, did in enumerate(readers) if did], "losses": losses}))
+
+
+def stored_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(checkpoint.glob("*.safetensors")):
+        weights |= load_file(file)
+    return weights
+
+
+def train_steps(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[float]:
+    """Two steps of the guide's loop: every rank's weights must be the checkpoint's for one process's losses."""
+    model.train()
+    generator = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(2):
+        ids = torch.randint(VOCAB, (1, SEQ), generator=generator).to(accelerator.device)
+        with accelerator.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={ids}):
+            loss = model(input_ids=ids, labels=ids).loss
+            accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def main() -> None:
@@ -85,12 +123,13 @@ def main() -> None:
     parser.add_argument("--write-checkpoint", action="store_true")
     parser.add_argument("--tied", action="store_true")
     parser.add_argument("--accelerate", action="store_true")
+    parser.add_argument("--call-before-prepare", action="store_true", help="--accelerate: call the model first")
     args = parser.parse_args()
     if args.write_checkpoint:
         write_checkpoint(args.checkpoint, tied=args.tied)
         return
     if args.accelerate:
-        accelerate_way(args.checkpoint, args.out)
+        accelerate_way(args.checkpoint, args.out, call_before_prepare=args.call_before_prepare)
         return
     import cpctl
 

@@ -1,0 +1,116 @@
+"""`from_pretrained` in an accelerate script or a Trainer: the weights read once per job, not per rank.
+
+Such scripts call `from_pretrained` on every rank, and each rank held the whole model until
+accelerate's FSDP2 preparation sharded it (with fp32 master weights, one fp32 copy per rank).
+Under `cpctl launch` with several ranks, rank 0 alone reads the checkpoint; every other rank
+builds the model with empty parameters (`torch.empty`: memory the OS has not handed out until it
+is written) and its buffers computed as usual, and accelerate's FSDP2 preparation sends each rank
+its shards from rank 0 (its `cpu_ram_efficient_loading` path, switched on for these models
+whatever the Trainer's arguments set): one copy per job.
+
+Only a plain load takes this path: a local directory of safetensors files and keyword arguments
+that building from the config honours alike (`attn_implementation`, `dtype`, `config`, overrides
+of config attributes such as `use_cache`; `None` and `{}` count as absent); anything else (a
+quantization config, a device map, a Hub name, a PEFT adapter) loads as transformers does, on
+every rank.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from cpctl.integrations.patches import PATCHES
+from cpctl.runtime import loading
+
+# What building from the config takes as from_pretrained does; any other argument: transformers' own load.
+# (The hub's arguments and the Auto classes' own mark change nothing for a local directory.)
+_PLAIN_ARGUMENTS = {"attn_implementation", "dtype", "torch_dtype", "config", "trust_remote_code", "revision",
+                    "low_cpu_mem_usage", "use_safetensors", "_from_auto", "cache_dir", "local_files_only",
+                    "force_download", "proxies", "token",
+                    "adapter_kwargs"}  # the hub's arguments for an adapter, which a directory without one ignores
+_sent_from_rank0: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose weights rank 0 sends
+# This rank's models with placeholder parameters, and the hook that refuses to run them until filled.
+_empty: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
+
+
+def install(runtime: Any) -> None:
+    """On the accelerate route with several ranks and FSDP2 (cpctl.integrations.accelerate_shim)."""
+    from transformers import PreTrainedModel
+
+    if runtime.world_size == 1 or runtime.config.fsdp.version != 2:
+        return
+    original = PreTrainedModel.__dict__["from_pretrained"].__func__
+    PATCHES.replace(PreTrainedModel, "from_pretrained", lambda _: classmethod(_reading_once(original, runtime)),
+                    why="a checkpoint is read by rank 0 only; accelerate's FSDP2 preparation sends the shards")
+
+
+def _reading_once(from_pretrained: Any, runtime: Any) -> Any:
+    @functools.wraps(from_pretrained)
+    def read_once(cls, pretrained_model_name_or_path, *args, **kwargs):
+        path = Path(str(pretrained_model_name_or_path))
+        # None and {} are absent: TRL passes device_map=None, the Auto classes adapter_kwargs={}
+        given = {k: v for k, v in kwargs.items() if v is not None and not (isinstance(v, dict) and not v)}
+        local = path.is_dir() and any(path.glob("*.safetensors")) and not (path / "adapter_config.json").exists()
+        config = _config_with(given, path) if local and not args else None
+        if config is None:
+            return from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs)
+        if runtime.rank == 0:
+            model = from_pretrained(cls, pretrained_model_name_or_path, **kwargs)
+        else:
+            build = {k: v for k, v in given.items() if k in ("attn_implementation", "dtype", "torch_dtype")}
+            model, _ = loading.build_on_meta(cls, path, config=config, **build)
+            loading.materialize(model, device="cpu")  # empty: the pages are touched only by what rank 0 sends
+            model.eval()  # as from_pretrained returns it
+            _empty[model] = model.register_forward_pre_hook(_refuse_before_prepare)
+        _sent_from_rank0.add(model)
+        return model
+
+    return read_once
+
+
+def _config_with(given: dict[str, Any], path: Path) -> Any:
+    """The config from_pretrained would build with `given` (its own arguments, and overrides of
+    config attributes such as use_cache), or None where an argument is neither."""
+    import copy
+
+    from transformers import AutoConfig
+
+    overrides = {k: v for k, v in given.items() if k not in _PLAIN_ARGUMENTS}
+    config = given.get("config") or AutoConfig.from_pretrained(
+        path, **{k: v for k, v in given.items() if k in ("trust_remote_code", "revision")})
+    if any(not hasattr(config, name) for name in overrides):
+        return None
+    config = copy.deepcopy(config)
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+def sends_from_rank0(model: nn.Module) -> bool:
+    """Whether accelerate's FSDP2 preparation must send `model`'s weights from rank 0."""
+    return model in _sent_from_rank0
+
+
+def has_placeholders(model: nn.Module) -> bool:
+    """Whether this rank's parameters of `model` are placeholders whose values do not matter yet."""
+    return model in _empty
+
+
+def filled(model: nn.Module) -> None:
+    """accelerate's preparation has sent `model` its weights from rank 0: it may run."""
+    hook = _empty.pop(model, None)
+    if hook is not None:
+        hook.remove()
+
+
+def _refuse_before_prepare(module: nn.Module, args: tuple) -> None:
+    from cpctl.errors import CpctlError
+
+    raise CpctlError(f"{type(module).__name__} was loaded with from_pretrained, which under cpctl launch reads a "
+                     "checkpoint on rank 0 only: this rank holds no weights until accelerator.prepare (or the "
+                     "Trainer) sends them; pass the model to accelerator.prepare before calling it")
