@@ -72,12 +72,19 @@ def test_the_runtime_route_saves_sharded_files_that_reload_as_trained(tmp_path: 
     assert_reloads_as_trained(model, out)
 
 
+@pytest.mark.full
 def test_one_process_saves_what_it_trained(tmp_path: Path) -> None:
     """cp 1 under plain python: the model prepare_model sharded over a world of one."""
     out = tmp_path / "one"
     proc = subprocess.run([sys.executable, str(WORKER), "runtime", str(out)], cwd=tmp_path, env=launch_env(tmp_path),
                           capture_output=True, text=True, timeout=TIMEOUT, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert_reloads_as_trained(out / "model", out)
+
+
+@pytest.mark.full
+def test_a_save_under_ulysses_reloads_as_trained(tmp_path: Path) -> None:
+    out = run_route(tmp_path, "runtime", *CPU2, "--sp-size", "2", "--cp-size", "1")
     assert_reloads_as_trained(out / "model", out)
 
 
@@ -129,7 +136,7 @@ def test_the_trainer_resumed_from_its_checkpoint_saves_what_an_uninterrupted_run
 
 
 def test_a_save_called_on_rank_0_only_is_one_line_not_a_hang(tmp_path: Path) -> None:
-    code, stdout, stderr = finish(cpctl(*CPU2, "--cp-size", "2", "--comm-timeout", "10", "--script-api", "cpctl",
+    code, stdout, stderr = finish(cpctl(*CPU2, "--cp-size", "2", "--comm-timeout", "5", "--script-api", "cpctl",
                                         str(WORKER), "runtime", str(tmp_path / "out"), "--main-only",
                                         tmp_path=tmp_path))
     assert code == 1, stdout + stderr

@@ -406,10 +406,22 @@ class Restarts(logging.Filter):
             report = FailureReport.from_error_file_data(data)
             if other != local_rank and report is not None:
                 seen[report.rank] = _Seen(local_rank=other, pid=0, exitcode=1, error_file_data=data)
+        cause = restart_cause(seen, killed_by=self.killed_by)
+        lost = FailureReport.from_error_file_data(first.error_file_data)
+        silent = self.without_report(attempt, reports) if lost is not None and lost.secondary else []
+        if silent:  # torchelastic saw a rank that lost its peer first; the peer itself died without a word
+            who = ", ".join(f"rank {r}" if self.nnodes == 1 else f"local rank {r}" for r in silent)
+            cause = (f"{who} ended without a report, so by a signal (SIGKILL, or the kernel's OOM killer when host "
+                     f"memory ran out); then {cause}")
         line = (f"restart {self.failed_attempts} of {self.max_restarts}: "
-                f"{restart_cause(seen, killed_by=self.killed_by)}; {resumes_from(CheckpointNote.read(self.error_dir))}")
+                f"{cause}; {resumes_from(CheckpointNote.read(self.error_dir))}")
         self.lines.append(line)
         print(f"cpctl: {line}", file=sys.stderr, flush=True)
+
+    def without_report(self, attempt: int, reports: Mapping[int, object]) -> list[int]:
+        """The local ranks of `attempt` that left no error file (torchelastic makes a folder per local rank)."""
+        ranks = {int(path.name) for path in self.logs.glob(f"*/attempt_{attempt}/*") if path.name.isdigit()}
+        return sorted(ranks - set(reports))
 
     def error_files(self, attempt: int) -> dict[int, object]:
         """Local rank -> its error file of `attempt`, parsed (torchelastic's format), where one was written."""
