@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,9 @@ def install() -> None:
     if not PATCHES.is_patched(PreTrainedModel, "save_pretrained"):
         PATCHES.replace(PreTrainedModel, "save_pretrained", _gathering,
                         why="a sharded model saves its full weights, written once by rank 0, never half")
+    if "peft" in sys.modules and not PATCHES.is_patched(sys.modules["peft"].PeftModel, "save_pretrained"):
+        PATCHES.replace(sys.modules["peft"].PeftModel, "save_pretrained", _gathering_adapters,
+                        why="a sharded PEFT model saves its adapters, gathered and written once by rank 0")
     if not PATCHES.is_patched(Trainer, "save_model"):
         PATCHES.replace(Trainer, "save_model", _saving_full_weights,
                         why="the Trainer under FSDP saves the full model in Hugging Face's format, whatever "
@@ -114,6 +118,40 @@ def _gathering(save_pretrained: Any) -> Any:
         saving.write_together(save_directory, write, what=f"saving the model ({what})")
 
     return save_full
+
+
+def _gathering_adapters(save_pretrained: Any) -> Any:
+    @functools.wraps(save_pretrained)
+    def save_adapters(self, save_directory, *args, **kwargs):
+        if _writing.get() or not saving.is_sharded(self):
+            return save_pretrained(self, save_directory, *args, **kwargs)
+        what = f"{type(self).__name__}.save_pretrained"
+        if kwargs.get("state_dict") is None:
+            # What peft's get_peft_model_state_dict picks from: the trainable tensors (the adapters,
+            # modules_to_save) and any bias (bias="all"), not the frozen base: it stays sharded.
+            kwargs["state_dict"] = saving.full_tensors(
+                self, what=what, select=lambda name, tensor: (_trainable(self, name) or "lora_" in name
+                                                              or "modules_to_save" in name or name.endswith("bias")))
+        else:
+            saving.arrive_together(what)
+        kwargs["is_main_process"] = True
+
+        def write(staging: Path) -> None:
+            _write_as_one_process(lambda: save_pretrained(self, staging, *args, **kwargs))
+
+        saving.write_together(save_directory, write, what=f"saving the adapters ({what})")
+
+    return save_adapters
+
+
+def _trainable(model: Any, name: str) -> bool:
+    try:
+        return model.get_parameter(name.replace(saving.CHECKPOINT_WRAPPER, "")).requires_grad
+    except AttributeError:
+        try:
+            return model.get_parameter(name).requires_grad
+        except AttributeError:
+            return False  # a buffer
 
 
 def _saving_full_weights(save_model: Any) -> Any:

@@ -56,11 +56,21 @@ _log = logging.getLogger("cpctl")
 
 
 def is_huggingface_model(model: nn.Module) -> bool:
+    return huggingface_model_in(model) is not None
+
+
+def huggingface_model_in(model: nn.Module) -> nn.Module | None:
+    """The transformers model that `model` is or wraps (a PEFT model's base model), else None:
+    cpctl's attention, masks and checks go on that one, which the wrapper's forward calls."""
     if "transformers" not in sys.modules:  # never import it for a model that is not one
-        return False
+        return None
     from transformers import PreTrainedModel
 
-    return isinstance(model, PreTrainedModel)
+    if isinstance(model, PreTrainedModel):
+        return model
+    get_base_model = getattr(model, "get_base_model", None)  # peft.PeftModel (and its task subclasses)
+    inner = get_base_model() if callable(get_base_model) and "peft" in sys.modules else None
+    return inner if isinstance(inner, PreTrainedModel) else None
 
 
 # ---------------------------------------------------------------------------- before the first step

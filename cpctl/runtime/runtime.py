@@ -231,9 +231,10 @@ class Runtime:
     def _adopt(self, model: nn.Module) -> bool:
         """A Hugging Face model's attention through cpctl (at every cp size); whether it is to be checkpointed."""
         checkpointing = self.config.fsdp.activation_checkpointing
-        if huggingface.is_huggingface_model(model):
+        inner = huggingface.huggingface_model_in(model)  # the model itself, or the one a PEFT model wraps
+        if inner is not None:
             # Its own gradient checkpointing would recompute outside CP's routing: ours instead.
-            checkpointing = huggingface.prepare(model, self) or checkpointing
+            checkpointing = huggingface.prepare(inner, self) or checkpointing
         return checkpointing
 
     def _transform_blocks(self, model: nn.Module, blocks: list[nn.Module] | None, *, checkpointing: bool) -> list[nn.Module]:

@@ -56,6 +56,24 @@ def full_state_dict(model: nn.Module, *, what: str) -> dict[str, torch.Tensor]:
     return {name.replace(CHECKPOINT_WRAPPER, ""): tensor for name, tensor in full.items()}
 
 
+def full_tensors(model: nn.Module, *, select: Callable[[str, torch.Tensor], bool], what: str) -> dict[str, torch.Tensor]:
+    """The full tensors of the parameters and buffers `select` keeps (rank 0's host; {} on other
+    ranks), under the unwrapped model's names: a model's adapters without gathering its base.
+    Collective, like full_state_dict."""
+    from torch.distributed.tensor import DTensor
+
+    arrive_together(what)
+    main = not dist.is_initialized() or dist.get_rank() == 0
+    gathered: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():  # the same names, in the same order, on every rank
+        if not select(name, tensor):
+            continue
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if main:
+            gathered[name.replace(CHECKPOINT_WRAPPER, "")] = full.detach().to("cpu", copy=True)
+    return gathered
+
+
 def arrive_together(what: str) -> None:
     """Return once every rank has called it, or raise: a gather that some ranks never join would
     hang until the process group's timeout."""

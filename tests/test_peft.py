@@ -1,0 +1,76 @@
+"""LoRA (peft) under cpctl: `get_peft_model` before `rt.prepare_model`, trained at cp 2 (and in one
+process through cpctl's runtime) against one plain process with peft: the same losses and adapter
+gradients (1e-5, fp32); the adapters saved with `save_pretrained` reload in plain peft with the
+trained model's logits.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from launching import REPO, TIMEOUT, cpctl, finish, launch_env
+
+pytest.importorskip("peft")
+
+WORKER = REPO / "tests" / "workers" / "peft_cases.py"
+TOLERANCE = 1e-5
+
+
+def run_plain(tmp_path: Path, out: Path, *extra: str) -> dict:
+    proc = subprocess.run([sys.executable, str(WORKER), str(out), *extra], cwd=tmp_path, env=launch_env(tmp_path),
+                          capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return json.loads((out / "result.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    tmp = tmp_path_factory.mktemp("peft-plain")
+    return run_plain(tmp, tmp / "plain", "--plain")
+
+
+def assert_same_training(got: dict, want: dict) -> None:
+    assert len(set(want["losses"])) == 2  # it trains
+    for a, b in zip(got["losses"], want["losses"]):
+        assert abs(a - b) <= TOLERANCE
+    for step_got, step_want in zip(got["gradients"], want["gradients"]):
+        assert step_got.keys() == step_want.keys() and any("lora_A" in name for name in step_got)
+        for name in step_want:
+            largest = (torch.tensor(step_got[name]) - torch.tensor(step_want[name])).abs().max().item()
+            assert largest <= TOLERANCE, name
+
+
+def assert_adapters_reload(out: Path) -> None:
+    from peft import PeftModel
+
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from peft_cases import PROBE, base_model
+    finally:
+        sys.path.pop(0)
+    model = PeftModel.from_pretrained(base_model(), out / "adapters").eval()
+    with torch.no_grad():
+        assert (model(input_ids=PROBE).logits - torch.load(out / "logits.pt")).abs().max().item() <= TOLERANCE
+
+
+def test_lora_at_cp2_trains_and_saves_as_one_process(tmp_path: Path, reference: dict) -> None:
+    out = tmp_path / "cp2"
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(WORKER),
+                                        str(out), tmp_path=tmp_path))
+    assert code == 0, stdout + stderr
+    result = json.loads((out / "result.json").read_text())
+    assert_same_training(result, reference)
+    assert result["frozen_dtypes"] == ["torch.float32"]
+    assert_adapters_reload(out)
+
+
+@pytest.mark.full
+def test_lora_through_the_runtime_in_one_process_trains_and_saves_as_peft(tmp_path: Path, reference: dict) -> None:
+    out = tmp_path / "one"
+    assert_same_training(run_plain(tmp_path, out), reference)
+    assert_adapters_reload(out)

@@ -1,0 +1,102 @@
+"""A LoRA fine-tune of a tiny Llama (peft's get_peft_model, before rt.prepare_model) for two steps:
+its losses, its adapters' gradients, the trained model's logits, and its adapters saved with
+`save_pretrained` (rank 0 writes OUT/result.json and OUT/adapters/).
+
+    python tests/workers/peft_cases.py OUT --plain          # one plain process with peft: the reference
+    python tests/workers/peft_cases.py OUT                  # cpctl's runtime, one process
+    cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 tests/workers/peft_cases.py OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+SEQ, VOCAB = 32, 64
+PROBE = torch.arange(24).reshape(1, 24) % VOCAB  # the tokens whose logits are compared
+
+
+def base_model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                         attn_implementation="sdpa", use_cache=False)
+    return LlamaForCausalLM(config)
+
+
+def lora(model: LlamaForCausalLM):
+    torch.manual_seed(1)
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+
+
+def batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    return [torch.randint(VOCAB, (1, SEQ), generator=generator) for _ in range(2)]
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().cpu()
+
+
+def train(model, *, step_context, token_mean, device) -> tuple[list[float], list[dict[str, list]]]:
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    losses, gradients = [], []
+    for ids in batches():
+        ids = ids.to(device)
+        labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+        pos = torch.arange(SEQ, device=device)[None]
+        with step_context([ids, labels, pos]):
+            logits = model(input_ids=ids, position_ids=pos).logits
+            loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
+            loss = token_mean(loss_sum, labels)
+            loss.backward()
+        gradients.append({name.replace("._checkpoint_wrapped_module", ""): full(p.grad).tolist()
+                          for name, p in model.named_parameters() if p.requires_grad})
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, gradients
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--plain", action="store_true")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    import contextlib
+
+    if args.plain:
+        model = lora(base_model())
+        losses, gradients = train(model, step_context=lambda buffers: contextlib.nullcontext(),
+                                  token_mean=lambda s, labels: s / (labels != -100).sum(), device="cpu")
+        main_rank, device = True, torch.device("cpu")
+    else:
+        import cpctl
+
+        rt = cpctl.init()
+        model = rt.prepare_model(lora(base_model()))
+        context = lambda buffers: rt.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),  # noqa: E731
+                                                            no_restore_buffers=set(buffers))
+        losses, gradients = train(model, step_context=context, token_mean=rt.token_mean, device=rt.device)
+        main_rank, device = rt.is_main, rt.device
+    frozen = {str(p.dtype) for p in model.parameters() if not p.requires_grad}
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=PROBE.to(device)).logits.float().cpu()
+    model.save_pretrained(args.out / "adapters")
+    if main_rank:
+        torch.save(logits, args.out / "logits.pt")
+        (args.out / "result.json").write_text(json.dumps({"losses": losses, "gradients": gradients,
+                                                           "frozen_dtypes": sorted(frozen)}))
+
+
+if __name__ == "__main__":
+    main()
