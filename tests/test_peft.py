@@ -74,3 +74,32 @@ def test_lora_through_the_runtime_in_one_process_trains_and_saves_as_peft(tmp_pa
     out = tmp_path / "one"
     assert_same_training(run_plain(tmp_path, out), reference)
     assert_adapters_reload(out)
+
+
+@pytest.mark.full
+def test_lora_on_a_bf16_base_keeps_the_base_bf16_and_trains_fp32_adapters(tmp_path: Path, reference: dict) -> None:
+    out = tmp_path / "bf16"
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(WORKER),
+                                        str(out), "--bf16-base", tmp_path=tmp_path))
+    assert code == 0, stdout + stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["frozen_dtypes"] == ["torch.bfloat16"] and result["trainable_dtypes"] == ["torch.float32"]
+    for got, want in zip(result["losses"], reference["losses"]):  # a bf16 base: bf16's tolerance
+        assert abs(got - want) <= 2e-2 * max(1.0, abs(want))
+    assert_adapters_reload_close(out)
+
+
+def assert_adapters_reload_close(out: Path) -> None:
+    """The saved adapters are the trained ones, in fp32, and load in plain peft."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    saved = load_file(out / "adapters" / "adapter_model.safetensors")
+    assert saved and all(tensor.dtype == torch.float32 for tensor in saved.values())
+    assert any("lora_B" in name and tensor.abs().max() > 0 for name, tensor in saved.items())  # trained: B left 0
+    sys.path.insert(0, str(WORKER.parent))
+    try:
+        from peft_cases import base_model
+    finally:
+        sys.path.pop(0)
+    PeftModel.from_pretrained(base_model(), out / "adapters")

@@ -3,7 +3,7 @@ its losses, its adapters' gradients, the trained model's logits, and its adapter
 `save_pretrained` (rank 0 writes OUT/result.json and OUT/adapters/).
 
     python tests/workers/peft_cases.py OUT --plain          # one plain process with peft: the reference
-    python tests/workers/peft_cases.py OUT                  # cpctl's runtime, one process
+    python tests/workers/peft_cases.py OUT [--bf16-base]     # cpctl's runtime, one process
     cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 tests/workers/peft_cases.py OUT
 """
 
@@ -69,6 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--plain", action="store_true")
+    parser.add_argument("--bf16-base", action="store_true", help="the frozen base in bf16, as released checkpoints are")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import contextlib
@@ -82,12 +83,14 @@ def main() -> None:
         import cpctl
 
         rt = cpctl.init()
-        model = rt.prepare_model(lora(base_model()))
+        base = base_model().to(torch.bfloat16) if args.bf16_base else base_model()
+        model = rt.prepare_model(lora(base))
         context = lambda buffers: rt.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),  # noqa: E731
                                                             no_restore_buffers=set(buffers))
         losses, gradients = train(model, step_context=context, token_mean=rt.token_mean, device=rt.device)
         main_rank, device = rt.is_main, rt.device
     frozen = {str(p.dtype) for p in model.parameters() if not p.requires_grad}
+    trainable = {str(p.dtype) for p in model.parameters() if p.requires_grad}
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=PROBE.to(device)).logits.float().cpu()
@@ -95,7 +98,8 @@ def main() -> None:
     if main_rank:
         torch.save(logits, args.out / "logits.pt")
         (args.out / "result.json").write_text(json.dumps({"losses": losses, "gradients": gradients,
-                                                           "frozen_dtypes": sorted(frozen)}))
+                                                           "frozen_dtypes": sorted(frozen),
+                                                           "trainable_dtypes": sorted(trainable)}))
 
 
 if __name__ == "__main__":
