@@ -67,6 +67,7 @@ def run_loading(tmp_path: Path, path: Path) -> str:
     return proc.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.full
 def test_a_checkpoint_of_another_shape_is_one_line(tmp_path: Path) -> None:
     path = checkpoint(tmp_path, tied=False)
     from safetensors.torch import load_file, save_file
@@ -86,6 +87,7 @@ def test_not_a_local_checkpoint_is_one_line(tmp_path: Path) -> None:
     assert "not a local directory with .safetensors files; download the checkpoint first" in line, line
 
 
+@pytest.mark.full
 def test_an_accelerate_script_reads_the_checkpoint_on_rank_0_only_and_trains_as_one_process(tmp_path: Path) -> None:
     """`from_pretrained` on every rank, then `accelerator.prepare`: rank 1 holds empty parameters
     until accelerate's FSDP2 preparation sends it its shards from rank 0."""

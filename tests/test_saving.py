@@ -95,6 +95,7 @@ def test_a_save_at_cp2_x_dp_shard2_reloads_as_trained(tmp_path: Path) -> None:
     assert_reloads_as_trained(out / "model", out)
 
 
+@pytest.mark.full
 def test_accelerates_two_ways_to_save_reload_as_trained(tmp_path: Path) -> None:
     out = run_route(tmp_path, "accelerate", *CPU2, "--cp-size", "2")
     assert_reloads_as_trained(out / "unwrapped", out)  # save_pretrained(state_dict=accelerator.get_state_dict(model))
@@ -109,6 +110,7 @@ def test_accelerates_two_ways_to_save_reload_as_trained(tmp_path: Path) -> None:
         assert (model.eval()(input_ids=PROBE).logits - trained).abs().max().item() <= TOLERANCE
 
 
+@pytest.mark.full
 def test_the_trainer_saves_its_model_and_checkpoints_in_hugging_faces_format(tmp_path: Path) -> None:
     """FSDP_STATE_DICT_TYPE unset (accelerate's default: SHARDED_STATE_DICT), where save_model wrote nothing."""
     out = run_route(tmp_path, "trainer", *CPU2, "--cp-size", "2")
@@ -135,6 +137,7 @@ def test_the_trainer_resumed_from_its_checkpoint_saves_what_an_uninterrupted_run
     assert_reloads_as_trained(resumed / "model", uninterrupted)
 
 
+@pytest.mark.full
 def test_a_save_called_on_rank_0_only_is_one_line_not_a_hang(tmp_path: Path) -> None:
     code, stdout, stderr = finish(cpctl(*CPU2, "--cp-size", "2", "--comm-timeout", "5", "--script-api", "cpctl",
                                         str(WORKER), "runtime", str(tmp_path / "out"), "--main-only",
