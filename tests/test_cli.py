@@ -175,9 +175,13 @@ def test_bad_flags(script: Path, args: list[str], fragments: list[str]) -> None:
 
 def test_a_launch_without_cp_says_so_first(script: Path) -> None:
     without = cpctl("launch", "--dry-run", "--device", "cpu", "train.py")
-    assert without.exit_code == 0 and without.stdout.startswith("note: cp_size 1: no context parallelism")
+    assert without.exit_code == 0 and without.stdout.startswith(
+        "note: cp_size 1: the 2 ranks split batches, not sequences"), without.stdout
     with_cp = cpctl("launch", "--dry-run", "--device", "cpu", "--cp-size", "2", "train.py")
-    assert with_cp.exit_code == 0 and "no context parallelism" not in with_cp.stdout
+    assert with_cp.exit_code == 0 and "split batches, not sequences" not in with_cp.stdout
+    # one process: nothing to split with, and its attention runs on cpctl's engine all the same
+    alone = cpctl("launch", "--dry-run", "--device", "cpu", "--nproc-per-node", "1", "train.py")
+    assert alone.exit_code == 0 and "note:" not in alone.stdout, alone.stdout
 
 
 @pytest.mark.parametrize(("visible", "fragments"), [
@@ -590,6 +594,11 @@ def test_env_reports_versions_devices_backends_and_profile(isolated: Path) -> No
     assert result.exit_code == 0, result.output
     for word in ("versions", "python", "torch", "typer", "devices", "cpu", "backends", "gloo", "built-in defaults"):
         assert word in result.stdout, word
+    from importlib.metadata import version  # the libraries a bug report needs, as installed
+
+    for name in ("transformers", "accelerate", "trl", "peft", "datasets", "safetensors"):
+        line = next(line for line in result.stdout.splitlines() if f" {name} " in line)
+        assert version(name) in line, line
     write(isolated / "cpctl.yaml", "parallelism: {cp_size: 2}\n")
     result = cpctl("env", env={"CPCTL_MAX_RESTARTS": "1"})
     assert str(isolated / "cpctl.yaml") in result.stdout and "CPCTL_MAX_RESTARTS=1" in result.stdout
@@ -625,7 +634,7 @@ def test_dry_run_says_what_ulysses_does(script: Path) -> None:
     text = " ".join(result.stdout.split())
     assert "Ulysses: sp 2 on consecutive ranks, inside one node, the allgather ring over cp 2 outside it" in text
     assert "K/V heads fewer than 2 are repeated, exactly" in text
-    assert "no context parallelism" not in text
+    assert "split batches, not sequences" not in text
     wide = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--rdzv-endpoint", "h:1",
                  "--nproc-per-node", "2", "--sp-size", "4", "train.py")
     assert wide.exit_code == 0, wide.output

@@ -29,6 +29,10 @@ from cpctl.config import (
 from cpctl import versions
 
 REPORTED_PACKAGES = ("cpctl", "torch", "numpy", "typer", "rich", "pyyaml", "questionary")
+# The libraries whose models and scripts cpctl runs (every bug report needs their versions), with
+# the releases cpctl's version gates accept where it has them.
+ECOSYSTEM = (("transformers", versions.KNOWN_TRANSFORMERS), ("accelerate", versions.KNOWN_ACCELERATE),
+             ("trl", versions.KNOWN_TRL), ("peft", None), ("datasets", None), ("safetensors", None))
 
 
 # ----------------------------------------------------------------------------- check
@@ -157,6 +161,14 @@ def active_default_profile(*, cwd: str | Path | None = None, environ: Mapping[st
 def package_versions() -> list[tuple[str, str]]:
     rows = [("python", f"{platform.python_version()} ({platform.python_implementation()}, {platform.machine()})")]
     rows += [(name, versions.installed_version(name) or "not installed") for name in REPORTED_PACKAGES]
+    for name, known in ECOSYSTEM:
+        version = versions.installed_version(name)
+        if version is None:
+            rows.append((name, "not installed"))
+        elif known is None or versions.is_known(version, known):
+            rows.append((name, version))
+        else:
+            rows.append((name, f"{version} (cpctl knows {', '.join(known)}: its CP route refuses this release)"))
     return rows
 
 

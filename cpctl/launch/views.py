@@ -166,10 +166,12 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
 
 
 def note_without_cp(profile) -> None:
-    """CP is what cpctl is for: a launch without it says so first."""
-    if profile.parallelism.cp_size == 1 and profile.parallelism.sp_size == 1:
-        _stdout().print("[yellow]note:[/] cp_size 1: no context parallelism, each rank holds whole sequences "
-                        "(pass --cp-size N, or a profile such as --profile cpu-try)", soft_wrap=True)
+    """Several ranks of which none splits a sequence: said first, since CP is what cpctl is for. One
+    process has nothing to split with (its attention still runs on cpctl's engine): nothing to say."""
+    world = profile.launch.nnodes * profile.launch.nproc_per_node
+    if profile.parallelism.cp_size == 1 and profile.parallelism.sp_size == 1 and world > 1:
+        _stdout().print(f"[yellow]note:[/] cp_size 1: the {world} ranks split batches, not sequences (each holds "
+                        "whole sequences); pass --cp-size N to split each sequence over N ranks", soft_wrap=True)
 
 
 def auto_split(resolved) -> str | None:
