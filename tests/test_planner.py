@@ -497,6 +497,22 @@ def test_ulysses_layouts_in_the_plan() -> None:
 
 
 @pytest.mark.usefixtures("isolated")
+def test_planning_other_machines_does_not_judge_their_host_memory_by_this_one() -> None:
+    """--gpus plans machines elsewhere: without --host-memory the host memory is said, not checked."""
+    args = ["plan", "--model", "llama-3.1-8b", "--gpus", "8", "--gpu-memory", "80", "--seq-len", "1M",
+            "--cpu-offload", "true"]
+    told = cpctl(*args)
+    assert told.exit_code == 0, told.output
+    line = next(line for line in told.stdout.splitlines() if line.startswith("host memory per machine"))
+    assert line.endswith("GiB needed; not checked: the host's size is not known (--host-memory GIB)"), line
+    assert "does not fit: host memory" not in told.stdout
+    estimate = json.loads(cpctl(*args, "--json").stdout)["estimate"]
+    assert estimate["host_memory_gib"] is None and estimate["fits_host"] is True
+    checked = json.loads(cpctl(*args, "--host-memory", "4", "--json").stdout)["estimate"]
+    assert checked["fits_host"] is False  # told the host's size, it is checked
+
+
+@pytest.mark.usefixtures("isolated")
 def test_plan_checks_host_memory_for_the_offload_options() -> None:
     args = ["plan", "--model", "llama-3.2-3b", "--seq-len", "512k", "--device", "cuda", "--nproc-per-node", "1",
             "--activation-checkpointing", "true", "--chunked-loss", "--tiled-mlp-tokens", "8192",

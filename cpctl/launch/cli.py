@@ -421,7 +421,8 @@ def plan(
     gpu_memory: Annotated[str, typer.Option(
         "--gpu-memory", help="GiB per GPU (141: an H200).", metavar="GIB", rich_help_panel=_PLAN)] = "141",
     host_memory: Annotated[str | None, typer.Option(
-        "--host-memory", help="GiB of host memory per machine, for the offload options (default: this machine's).",
+        "--host-memory", help="GiB of host memory per machine, for the offload options (default: this machine's; "
+        "with --gpus, not checked).",
         metavar="GIB", show_default=False, rich_help_panel=_PLAN)] = None,
     batch: Annotated[str, typer.Option(
         "--batch", help="Sequences per step on each CP group.", metavar="N", rich_help_panel=_PLAN)] = "1",
@@ -444,8 +445,10 @@ def plan(
         tokens = planner.parse_tokens(seq_len)
         world = None if gpus is None else int(planner.parse_number(gpus, what="--gpus", integer=True))
         memory = planner.parse_number(gpu_memory, what="--gpu-memory", minimum=0.001)
-        host = machine_host_memory_gib() if host_memory is None else planner.parse_number(
-            host_memory, what="--host-memory", minimum=0.001)
+        if host_memory is not None:
+            host = planner.parse_number(host_memory, what="--host-memory", minimum=0.001)
+        else:  # --gpus plans other machines, whose host memory this one does not know
+            host = machine_host_memory_gib() if world is None else None
         sequences = int(planner.parse_number(batch, what="--batch", integer=True))
         resolved = planner.resolve_setup(flags=flags, config=config, profile_name=profile, gpus=world,
                                          chunked_loss=chunked_loss, logits_kept=not model_loss, batch=sequences)

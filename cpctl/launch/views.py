@@ -106,6 +106,8 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
         if estimate.host_memory_gib is not None:
             verdict = "[green]fits[/]" if estimate.fits_host else "[bold red]does not fit: host memory[/]"
             line += f" of {estimate.host_memory_gib:.1f} GiB: {verdict}"
+        else:
+            line += " needed; not checked: the host's size is not known (--host-memory GIB)"
         out.print(line, soft_wrap=True)
 
     if result.suggestions:
