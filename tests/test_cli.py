@@ -173,6 +173,17 @@ def test_bad_flags(script: Path, args: list[str], fragments: list[str]) -> None:
     assert_one_line_error(cpctl("launch", "--dry-run", *args, "train.py"), *fragments)
 
 
+def test_the_dry_run_says_what_the_workers_train_in_and_where_that_came_from(isolated: Path, script: Path) -> None:
+    """An accelerate config file's mixed_precision: bf16 trains a script that never asked for bf16 in bf16: said."""
+    write(isolated / "cp.yaml", "distributed_type: FSDP\nmixed_precision: bf16\nnum_processes: 2\n"
+                                "fsdp_config:\n  fsdp_version: 2\nparallelism_config:\n  parallelism_config_cp_size: 2\n")
+    result = cpctl("launch", "--dry-run", "--device", "cpu", "--config", "cp.yaml", "--script-api", "accelerate", "train.py")
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if line.startswith("Precision:"))
+    assert line == ("Precision: bf16 compute, fp32 gradient reduction (fsdp.mixed_precision bf16, from --config "
+                    "cp.yaml); fp32 master weights and optimizer state"), line
+
+
 def test_a_launch_without_cp_says_so_first(script: Path) -> None:
     without = cpctl("launch", "--dry-run", "--device", "cpu", "train.py")
     assert without.exit_code == 0 and without.stdout.startswith(

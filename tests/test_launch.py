@@ -49,6 +49,11 @@ def test_two_cpu_workers_get_their_ranks_and_the_profile(tmp_path: Path) -> None
         "--script-api", "cpctl", str(PROBE), "--out", str(out_dir), *SCRIPT_ARGS, tmp_path=tmp_path,
     ))
     assert code == 0, out + err
+    # before any worker's line: what the workers train in, and from where (on a CPU: no mixed precision)
+    lines = err.splitlines()
+    said = lines.index("cpctl: training in fp32 compute (fsdp.mixed_precision no, from auto (cpu)); "
+                       "fp32 master weights and optimizer state")
+    assert not any(line.startswith("[rank") for line in lines[:said]), err
     ranks = records(out_dir)
     assert sorted(ranks) == [0, 1]
     for rank, record in ranks.items():

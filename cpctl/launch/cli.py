@@ -288,6 +288,7 @@ def launch(
         plan = launcher.prepare(resolved, target=script, target_args=script_args, module=module)
         _note_api_disagrees(resolved.profile, use)
         views.note_without_cp(resolved.profile)
+        _stderr().print(f"cpctl: training in {escape(views.precision(resolved))}", soft_wrap=True, highlight=False)
         launcher.launch(plan)
 
 

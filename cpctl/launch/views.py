@@ -206,6 +206,20 @@ SCRIPT_APIS = {
 }
 
 
+def precision(resolved) -> str:
+    """What the workers train in and where that came from, in one line (a --config file's
+    mixed_precision: bf16 would otherwise train a script that never asked for it in bf16, unsaid)."""
+    fsdp = resolved.profile.fsdp
+    where = resolved.sources.get("fsdp.mixed_precision", "default")
+    if fsdp.mixed_precision == "no":
+        compute = "fp32 compute (fsdp.mixed_precision no"
+    else:
+        compute = f"{fsdp.mixed_precision} compute, fp32 gradient reduction (fsdp.mixed_precision {fsdp.mixed_precision}"
+    weights = ("fp32 master weights and optimizer state" if fsdp.master_weights == "fp32"
+               else "weights and optimizer state in the dtype they arrive in (fsdp.master_weights keep)")
+    return f"{compute}, from {where}); {weights}"
+
+
 def print_launch_plan(plan: LaunchPlan, *, target: str, problem_here: str | None, notes: Sequence[str] = ()) -> None:
     from cpctl.launch.envinfo import describe
     from cpctl.layout import MESH_AXES, mesh_table
@@ -229,6 +243,7 @@ def print_launch_plan(plan: LaunchPlan, *, target: str, problem_here: str | None
     reason = resolved.auto_reason("launch.script_api")
     why = source if reason is None else f"auto: {reason}"
     out.print(f"[bold]Script[/]: {SCRIPT_APIS[api]} (launch.script_api {api}; {escape(why)})", soft_wrap=True)
+    out.print(f"[bold]Precision[/]: {escape(precision(resolved))}", soft_wrap=True)
     memory = resolved.profile.memory
     if resolved.profile.fsdp.activation_checkpointing and memory.checkpoint_level == "mixed":
         if memory.selective_blocks == FIT:
