@@ -6,10 +6,12 @@ transformers builds the model from a tiny config: nothing is downloaded.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish
+from launching import REPO, TIMEOUT, cpctl, finish, launch_env
 
 pytest.importorskip("transformers")
 
@@ -101,3 +103,23 @@ def test_a_model_that_calls_sdpa_itself_is_routed_unless_its_mask_holds_more_tha
     assert "alibi=True" in _sdpa_call_problem(falcon(alibi=True))
     eager = _sdpa_call_problem(falcon(attn_implementation="eager"))
     assert "'eager'" in eager and 'attn_implementation="sdpa"' in eager
+
+
+COMPILED_FIRST = """
+import torch, cpctl
+from transformers import LlamaConfig, LlamaForCausalLM
+rt = cpctl.init()
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, attn_implementation="sdpa")
+rt.prepare_model(torch.compile(LlamaForCausalLM(config)))
+"""
+
+
+@pytest.mark.full
+def test_a_model_compiled_before_prepare_model_is_one_line_naming_the_order(tmp_path: Path) -> None:
+    """Its compiled graph would keep transformers' attention (a mask under CP): refused before any step."""
+    proc = subprocess.run([sys.executable, "-c", COMPILED_FIRST], cwd=tmp_path, env=launch_env(tmp_path),
+                          capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert proc.returncode != 0
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "compiled (torch.compile) before rt.prepare_model" in last and "torch.compile(rt.prepare_model(model))" in last

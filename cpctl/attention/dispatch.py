@@ -105,7 +105,9 @@ class RouteSDPA(TorchFunctionMode):
                 raise CpctlError(
                     "scaled_dot_product_attention got a tensor attn_mask under context parallelism; "
                     "CP supports causal or full attention only: pass attn_mask=None (with is_causal=True "
-                    "for causal), e.g. Hugging Face models without padding in the batch"
+                    "for causal). A Hugging Face model builds such a mask when cpctl does not compute its "
+                    "attention: give the model itself to rt.prepare_model (before torch.compile or any "
+                    "wrapper), and pad its batches on the right with labels -100"
                 )
             is_causal = True
         if call["dropout_p"]:

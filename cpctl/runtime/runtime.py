@@ -230,6 +230,10 @@ class Runtime:
 
     def _adopt(self, model: nn.Module) -> bool:
         """A Hugging Face model's attention through cpctl (at every cp size); whether it is to be checkpointed."""
+        if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+            # its compiled graph would keep the attention it was traced with, and FSDP2 would wrap the wrapper
+            raise CpctlError("the model was compiled (torch.compile) before rt.prepare_model: prepare the model "
+                             "itself, then compile what prepare_model returns (model = torch.compile(rt.prepare_model(model)))")
         checkpointing = self.config.fsdp.activation_checkpointing
         inner = huggingface.huggingface_model_in(model)  # the model itself, or the one a PEFT model wraps
         if inner is not None:
