@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO, TIMEOUT, cpctl, finish, launch_env
+from launching import REPO, TIMEOUT, cpctl, error_lines, finish, launch_env
 
 pytest.importorskip("peft")
 
@@ -103,3 +103,14 @@ def assert_adapters_reload_close(out: Path) -> None:
     finally:
         sys.path.pop(0)
     PeftModel.from_pretrained(base_model(), out / "adapters")
+
+
+@pytest.mark.full
+def test_get_peft_model_after_prepare_model_is_one_line_before_any_step(tmp_path: Path) -> None:
+    """Its adapters would be neither sharded nor reduced: each rank would train its own copy."""
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(WORKER),
+                                        str(tmp_path / "out"), "--peft-after-prepare", tmp_path=tmp_path))
+    assert code == 1, stdout + stderr
+    (line,) = error_lines(stderr)
+    assert "8 parameters were added to the model after rt.prepare_model" in line and "lora_A" in line, line
+    assert "get_peft_model(model, config), then rt.prepare_model" in line, line

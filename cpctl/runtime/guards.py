@@ -87,3 +87,21 @@ def _refuse_replaced_parameters(optimizer: torch.optim.Optimizer, args, kwargs) 
                     "replaced them (FSDP2 shards them): it would train nothing. Create the optimizer after "
                     "rt.prepare_model, from the model it returns"
                 )
+
+
+def refuse_parameters_added_later(model: nn.Module) -> None:
+    """Parameters that appear after FSDP2 sharded `model` (get_peft_model after prepare_model, a
+    module attached later) are neither sharded nor reduced: each rank would train its own copy on
+    its own shard of the sequence. Refused at the next forward, on every rank alike."""
+    known = {(id(module), name) for module in model.modules() for name in module._parameters}
+
+    def check(module: nn.Module, args: tuple) -> None:
+        added = [f"{path}.{name}" if path else name for path, sub in module.named_modules()
+                 for name, param in sub._parameters.items() if param is not None and (id(sub), name) not in known]
+        if added:
+            raise CpctlError(f"{len(added)} parameters were added to the model after rt.prepare_model "
+                             f"({', '.join(added[:2])}{', ...' if len(added) > 2 else ''}): FSDP2 neither shards "
+                             "nor reduces them; add them before prepare_model (get_peft_model(model, config), then "
+                             "rt.prepare_model)")
+
+    model.register_forward_pre_hook(check, prepend=True)

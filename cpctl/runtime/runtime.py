@@ -183,6 +183,7 @@ class Runtime:
         if self.config.fsdp.version == 2:
             apply_fsdp(model, mesh=self.axes["fsdp"], fsdp=self.config.fsdp, blocks=found,
                        cpu_offload=self.config.memory.cpu_offload)
+            guards.refuse_parameters_added_later(model)
         elif self.axes["dp_cp"].size() > 1:
             # Without a gradient reduction the ranks would drift apart, and token_mean's scaling
             # (which expects the average over dp x cp ranks) would be wrong.

@@ -70,6 +70,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--plain", action="store_true")
     parser.add_argument("--bf16-base", action="store_true", help="the frozen base in bf16, as released checkpoints are")
+    parser.add_argument("--peft-after-prepare", action="store_true", help="get_peft_model after prepare_model (refused)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import contextlib
@@ -84,7 +85,7 @@ def main() -> None:
 
         rt = cpctl.init()
         base = base_model().to(torch.bfloat16) if args.bf16_base else base_model()
-        model = rt.prepare_model(lora(base))
+        model = lora(rt.prepare_model(base)) if args.peft_after_prepare else rt.prepare_model(lora(base))
         context = lambda buffers: rt.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),  # noqa: E731
                                                             no_restore_buffers=set(buffers))
         losses, gradients = train(model, step_context=context, token_mean=rt.token_mean, device=rt.device)
