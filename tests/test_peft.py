@@ -114,3 +114,20 @@ def test_get_peft_model_after_prepare_model_is_one_line_before_any_step(tmp_path
     (line,) = error_lines(stderr)
     assert "8 parameters were added to the model after rt.prepare_model" in line and "lora_A" in line, line
     assert "get_peft_model(model, config), then rt.prepare_model" in line, line
+
+
+@pytest.mark.full
+def test_a_trainer_with_a_peft_model_under_cp2_trains_and_saves_as_one_process(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    plain = run_plain(tmp_path, tmp_path / "plain", "--trainer")
+    out = tmp_path / "cp2"
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api",
+                                        "accelerate", str(WORKER), str(out), "--trainer", tmp_path=tmp_path))
+    assert code == 0, stdout + stderr
+    got = json.loads((out / "result.json").read_text())
+    assert len(got["losses"]) == 2 and all(abs(a - b) <= TOLERANCE for a, b in zip(got["losses"], plain["losses"]))
+    want = load_file(tmp_path / "plain" / "adapters" / "adapter_model.safetensors")
+    saved = load_file(out / "adapters" / "adapter_model.safetensors")
+    assert saved.keys() == want.keys() and any("lora_B" in name for name in saved)
+    assert max((saved[name] - want[name]).abs().max().item() for name in want) <= TOLERANCE

@@ -4,6 +4,8 @@ its losses, its adapters' gradients, the trained model's logits, and its adapter
 
     python tests/workers/peft_cases.py OUT --plain          # one plain process with peft: the reference
     python tests/workers/peft_cases.py OUT [--bf16-base]     # cpctl's runtime, one process
+    python tests/workers/peft_cases.py OUT --trainer         # a transformers Trainer (also under cpctl launch
+                                                             # --script-api accelerate): losses, saved adapters
     cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 tests/workers/peft_cases.py OUT
 """
 
@@ -65,14 +67,49 @@ def train(model, *, step_context, token_mean, device) -> tuple[list[float], list
     return losses, gradients
 
 
+class Rows(torch.utils.data.Dataset):
+    def __init__(self):
+        self.ids = torch.cat(batches())
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index].clone()}
+
+
+def trainer_way(out: Path) -> None:
+    """The Trainer with a PEFT model: its logged losses and its save_model (the adapters)."""
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    losses: list[float] = []
+
+    class KeepLosses(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    args = TrainingArguments(output_dir=str(out / "run"), per_device_train_batch_size=1, max_steps=2,
+                             learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
+                             report_to=[], use_cpu=not torch.cuda.is_available(), seed=0)
+    trainer = Trainer(model=lora(base_model()), args=args, train_dataset=Rows(), callbacks=[KeepLosses()])
+    trainer.train()
+    trainer.save_model(str(out / "adapters"))
+    if trainer.is_world_process_zero():
+        (out / "result.json").write_text(json.dumps({"losses": losses}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out", type=Path)
     parser.add_argument("--plain", action="store_true")
     parser.add_argument("--bf16-base", action="store_true", help="the frozen base in bf16, as released checkpoints are")
     parser.add_argument("--peft-after-prepare", action="store_true", help="get_peft_model after prepare_model (refused)")
+    parser.add_argument("--trainer", action="store_true", help="through a transformers Trainer")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.trainer:
+        return trainer_way(args.out)
     import contextlib
 
     if args.plain:
