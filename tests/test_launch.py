@@ -113,6 +113,7 @@ def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path: Path) -> None:
     code, out, err = finish(proc)
     assert code == 130, out + err
     assert err.strip().splitlines()[-1] == "error: interrupted by SIGINT; workers stopped"
+    assert "death signal" not in err, err  # torch's own line about it, before cpctl's: one line, not two
     time.sleep(0.5)
     for record in records(out_dir).values():
         assert not Path(f"/proc/{record['pid']}").exists() or _is_zombie(record["pid"]), f"worker {record['pid']} still runs"

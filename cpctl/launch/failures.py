@@ -302,6 +302,8 @@ class _QuietWorkerFailures(logging.Filter):
         "torch.distributed.elastic.multiprocessing.api": ("failed (exitcode", "closing signal"),
         # on a node whose peer, the one hosting the rendezvous store, went away first
         "torch.distributed.elastic.rendezvous.dynamic_rendezvous": ("has failed to shutdown the rendezvous",),
+        # Ctrl-C: cpctl's own line ("interrupted by SIGINT; workers stopped") is the one the user sees
+        "torch.distributed.elastic.agent.server.api": ("death signal, shutting down workers",),
     }
 
     def __init__(self, fragments: tuple[str, ...]) -> None:
