@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -196,6 +197,14 @@ def test_a_sharded_save_replaces_the_older_unsharded_weights_and_keeps_other_fil
             (staging / name).write_text("new")
 
     saving.write_together(target, sharded, what="saving the model")
+    fresh = saving.write_together(tmp_path / "fresh", sharded, what="saving the model")
+    assert fresh.stat().st_mode & 0o777 == 0o777 & ~current_umask()  # a new directory as mkdir makes it
     assert {p.name: p.read_text() for p in target.iterdir()} == {
         "config.json": "new", "model-00001-of-00002.safetensors": "new", "model-00002-of-00002.safetensors": "new",
         "model.safetensors.index.json": "new", "tokenizer.json": "mine"}
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

@@ -125,6 +125,7 @@ def _write_atomically(directory: Path, write: Callable[[Path], None]) -> None:
         raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(in_the_way))
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp's 0o700 would become the saved directory's mode
     try:
         write(staging)
         if not directory.exists():
@@ -145,3 +146,8 @@ def _write_atomically(directory: Path, write: Callable[[Path], None]) -> None:
     finally:
         shutil.rmtree(staging, ignore_errors=True)
 
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
