@@ -18,6 +18,7 @@ from launching import REPO, TIMEOUT, cpctl, error_lines, finish, launch_env
 pytest.importorskip("peft")
 
 WORKER = REPO / "tests" / "workers" / "peft_cases.py"
+CP2 = ("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2")
 TOLERANCE = 1e-5
 
 
@@ -60,7 +61,7 @@ def assert_adapters_reload(out: Path) -> None:
 
 def test_lora_at_cp2_trains_and_saves_as_one_process(tmp_path: Path, reference: dict) -> None:
     out = tmp_path / "cp2"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(WORKER),
+    code, stdout, stderr = finish(cpctl(*CP2, "--script-api", "cpctl", str(WORKER),
                                         str(out), tmp_path=tmp_path))
     assert code == 0, stdout + stderr
     result = json.loads((out / "result.json").read_text())
@@ -79,7 +80,7 @@ def test_lora_through_the_runtime_in_one_process_trains_and_saves_as_peft(tmp_pa
 @pytest.mark.full
 def test_lora_on_a_bf16_base_keeps_the_base_bf16_and_trains_fp32_adapters(tmp_path: Path, reference: dict) -> None:
     out = tmp_path / "bf16"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(WORKER),
+    code, stdout, stderr = finish(cpctl(*CP2, "--script-api", "cpctl", str(WORKER),
                                         str(out), "--bf16-base", tmp_path=tmp_path))
     assert code == 0, stdout + stderr
     result = json.loads((out / "result.json").read_text())
@@ -108,7 +109,7 @@ def assert_adapters_reload_close(out: Path) -> None:
 @pytest.mark.full
 def test_get_peft_model_after_prepare_model_is_one_line_before_any_step(tmp_path: Path) -> None:
     """Its adapters would be neither sharded nor reduced: each rank would train its own copy."""
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(WORKER),
+    code, stdout, stderr = finish(cpctl(*CP2, "--script-api", "cpctl", str(WORKER),
                                         str(tmp_path / "out"), "--peft-after-prepare", tmp_path=tmp_path))
     assert code == 1, stdout + stderr
     (line,) = error_lines(stderr)
@@ -122,8 +123,8 @@ def test_a_trainer_with_a_peft_model_under_cp2_trains_and_saves_as_one_process(t
 
     plain = run_plain(tmp_path, tmp_path / "plain", "--trainer")
     out = tmp_path / "cp2"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api",
-                                        "accelerate", str(WORKER), str(out), "--trainer", tmp_path=tmp_path))
+    code, stdout, stderr = finish(cpctl(*CP2, "--script-api", "accelerate", str(WORKER), str(out), "--trainer",
+                                        tmp_path=tmp_path))
     assert code == 0, stdout + stderr
     got = json.loads((out / "result.json").read_text())
     assert len(got["losses"]) == 2 and all(abs(a - b) <= TOLERANCE for a, b in zip(got["losses"], plain["losses"]))
