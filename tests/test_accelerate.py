@@ -78,6 +78,7 @@ def test_the_guide_loop_under_cp_gives_the_one_process_losses(launched, layout: 
         assert abs(got - want) <= TOLERANCE, f"step {step}: {got} vs {want} (all: {run['losses']})"
 
 
+@pytest.mark.full
 def test_the_reference_trains(launched, tmp_path: Path) -> None:
     trained, frozen = launched("cp2")["reference"], plain_run(tmp_path, "--lr", "0")
     assert trained[0] == frozen[0]

@@ -61,6 +61,7 @@ def test_a_killed_rank_is_restarted_and_the_run_resumes(uninterrupted, tmp_path:
         assert abs(loss - uninterrupted[step]) <= TOLERANCE, (step, run, uninterrupted)
 
 
+@pytest.mark.full
 def test_a_restart_says_why_and_from_which_checkpoint(tmp_path: Path) -> None:
     # rank 1 kills itself with SIGKILL once checkpoint step 2 is saved, on the first attempt only
     code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--max-restarts", "1", str(WORKER),
