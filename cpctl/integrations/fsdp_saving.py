@@ -11,6 +11,8 @@ accelerate's FSDP2 on cpctl's route, the Trainer and TRL, which prepare through 
   safetensors sharded with an index past `max_shard_size`;
 * `Accelerator.get_state_dict(model)` gathers the full weights to rank 0 (as accelerate's own
   FSDP2 branch means to) and `Accelerator.save_model(model, dir)` writes them once;
+* `peft.PeftModel.save_pretrained(dir)`: only the tensors peft saves (the adapters, any bias)
+  are gathered, the frozen base stays sharded; rank 0 writes the adapter files;
 * `Trainer.save_model(dir)` (and so its periodic checkpoints and TRL's trainers): the same
   full weights whatever `FSDP_STATE_DICT_TYPE` says, with the Trainer's own extra files
   (tokenizer, training arguments); the Trainer's sharded resume files are still written beside.
