@@ -123,3 +123,19 @@ def test_a_model_compiled_before_prepare_model_is_one_line_naming_the_order(tmp_
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert "compiled (torch.compile) before rt.prepare_model" in last and "torch.compile(rt.prepare_model(model))" in last
+
+
+@pytest.mark.full
+def test_a_model_compiled_after_prepare_model_trains_as_uncompiled_without_dynamo_warnings(tmp_path: Path) -> None:
+    """cpctl's engine runs as it is under torch.compile (a graph break around attention): dynamo no
+    longer traces its cached kernel checks (its 'silent incorrectness' warning on every rank)."""
+    worker = REPO / "tests" / "workers" / "compiled_case.py"
+    runs = {}
+    for name, extra in (("eager", ()), ("compiled", ("--compile",))):
+        code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(worker),
+                                            str(tmp_path / f"{name}.json"), *extra, tmp_path=tmp_path))
+        assert code == 0, stdout + stderr
+        runs[name] = (json.loads((tmp_path / f"{name}.json").read_text()), stderr)
+    (eager, _), (compiled, stderr) = runs["eager"], runs["compiled"]
+    assert len(set(eager)) == 2 and all(abs(a - b) <= 1e-5 for a, b in zip(compiled, eager)), (compiled, eager)
+    assert "lru_cache" not in stderr, stderr

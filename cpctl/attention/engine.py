@@ -91,6 +91,9 @@ def checked_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, layout:
     return q, k, v
 
 
+# Under torch.compile the engine runs as it is (a graph break around attention): its collectives,
+# its once-per-shape kernel checks (cached) and its autograd Function are not for dynamo to trace.
+@torch.compiler.disable
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,

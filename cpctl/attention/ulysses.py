@@ -154,6 +154,9 @@ class _AllToAll(torch.autograd.Function):
 # ----------------------------------------------------------------------------- the entry point
 
 
+# Under torch.compile the engine runs as it is (a graph break around attention): its collectives,
+# its once-per-shape kernel checks (cached) and its autograd Function are not for dynamo to trace.
+@torch.compiler.disable
 def ulysses_attention(
     q: torch.Tensor,
     k: torch.Tensor,
