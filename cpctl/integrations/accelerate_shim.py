@@ -161,10 +161,17 @@ def _adopting(prepare: Any, runtime: Any) -> Any:
                 master_weights_for_fsdp(model, master_weights=runtime.config.fsdp.master_weights, main=runtime.is_main,
                                         placeholders=hf_loading.has_placeholders(model))
             setattr(model, ADOPTED, True)
-        if any(hf_loading.sends_from_rank0(model) for model in fresh):
-            # accelerate's own path for weights only rank 0 holds: shard on meta, then rank 0 sends
-            self.state.fsdp_plugin.cpu_ram_efficient_loading = True
-        prepared = prepare(self, *args, **kwargs)
+        plugin = getattr(self.state, "fsdp_plugin", None)
+        was = getattr(plugin, "cpu_ram_efficient_loading", None)
+        if plugin is not None and any(hf_loading.sends_from_rank0(model) for model in fresh):
+            # accelerate's own path for weights only rank 0 holds: shard on meta, then rank 0 sends;
+            # for this call only, so a model every rank built itself is prepared as it was
+            plugin.cpu_ram_efficient_loading = True
+        try:
+            prepared = prepare(self, *args, **kwargs)
+        finally:
+            if plugin is not None:
+                plugin.cpu_ram_efficient_loading = was
         for model in fresh:
             runtime.finish_model(model)
             hf_loading.filled(model)

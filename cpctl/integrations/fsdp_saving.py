@@ -131,8 +131,9 @@ def _gathering_adapters(save_pretrained: Any) -> Any:
         if kwargs.get("state_dict") is None:
             # What peft's get_peft_model_state_dict picks from: the trainable tensors (the adapters,
             # modules_to_save) and any bias (bias="all"), not the frozen base: it stays sharded.
+            trainable = {name for name, param in self.named_parameters() if param.requires_grad}
             kwargs["state_dict"] = saving.full_tensors(
-                self, what=what, select=lambda name, tensor: (_trainable(self, name) or "lora_" in name
+                self, what=what, select=lambda name, tensor: (name in trainable or "lora_" in name
                                                               or "modules_to_save" in name or name.endswith("bias")))
         else:
             saving.arrive_together(what)
@@ -144,16 +145,6 @@ def _gathering_adapters(save_pretrained: Any) -> Any:
         saving.write_together(save_directory, write, what=f"saving the adapters ({what})")
 
     return save_adapters
-
-
-def _trainable(model: Any, name: str) -> bool:
-    try:
-        return model.get_parameter(name.replace(saving.CHECKPOINT_WRAPPER, "")).requires_grad
-    except AttributeError:
-        try:
-            return model.get_parameter(name).requires_grad
-        except AttributeError:
-            return False  # a buffer
 
 
 def _saving_full_weights(save_model: Any) -> Any:

@@ -55,10 +55,6 @@ IGNORE_INDEX = -100
 _log = logging.getLogger("cpctl")
 
 
-def is_huggingface_model(model: nn.Module) -> bool:
-    return huggingface_model_in(model) is not None
-
-
 def huggingface_model_in(model: nn.Module) -> nn.Module | None:
     """The transformers model that `model` is or wraps (a PEFT model's base model), else None:
     cpctl's attention, masks and checks go on that one, which the wrapper's forward calls."""
