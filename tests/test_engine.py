@@ -6,8 +6,9 @@ the output and of dq/dk/dv per case; each case is then its own test here. One pr
 group of one: plain attention there is one kernel call (attention/whole.py), the rest the blocks. fp32 bar: 1e-5.
 Besides plain causal and full attention: sliding windows and chunked attention that cut
 through shards, packed documents (one-token ones, ones spanning ranks, many short ones, rows
-packed differently; on the cost-balanced layout), all against SDPA with the explicit mask;
-value heads of another size (MLA), fp64.
+packed differently; on the cost-balanced layout), padding (keys no query sees: left padding
+that leaves whole chunks seeing nothing, right padding, holes), all against SDPA with the
+explicit mask; value heads of another size (MLA), fp64.
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ EXTRAS += [dict(window=10, chunk=24), dict(v_dim=8), dict(v_dim=24), dict(dtype=
            dict(dtype="float64", window=24)]
 EXTRAS += [dict(documents=d) for d in ("one_token", "spanning", "many_short", "whole", "mixed_rows")]
 EXTRAS += [dict(documents="spanning", window=6)]
+EXTRAS += [dict(hidden=h) for h in ("left", "right", "holes")] + [dict(hidden="left", documents="spanning"),
+                                                                  dict(hidden="holes", window=7)]
 CASES += [
     {"strategy": strategy, "causal": causal, "load_balance": load_balance, "q_heads": 4, "kv_heads": 2, "batch": 2,
      **extra}
     for strategy, causal, load_balance, extra in itertools.product(STRATEGIES, (True, False), (True, False), EXTRAS)
 ]
-OPTIONS = ("window", "chunk", "v_dim", "dtype", "documents")
+OPTIONS = ("window", "chunk", "v_dim", "dtype", "documents", "hidden")
 
 
 def case_id(case: dict) -> str:

@@ -64,7 +64,7 @@ def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, layout
 
 REFUSALS = {
     "checkpointing_after_prepare": ["gradient_checkpointing_enable() after rt.prepare_model", "before prepare_model"],
-    "padding_mask": ["attention_mask with left padding or holes", "pad on the right"],
+    "mask_4d": ["a 4-D attention_mask", "pass the 2-D padding mask"],
     "use_cache": ["use_cache=False"],
     "num_items_in_batch": ["num_items_in_batch under context parallelism", "leave it out"],
     "labels_not_in_buffers": ["labels has the full sequence length 64", "add it to buffers"],

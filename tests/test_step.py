@@ -43,7 +43,9 @@ def test_a_length_the_layout_does_not_divide_is_padded_at_the_end_and_dropped_ag
     padded = -(-45 // chunks) * chunks
     assert all(step.padding is not None and (step.padding.length, step.padding.padded) == (45, padded)
                for step in ranks)
-    assert all(step.tail_hidden == f"the sequence of 45 tokens was padded to {padded}" for step in ranks)
+    assert all(step.hidden_keys == [((45, padded),)] for step in ranks)  # no query sees the appended tokens
+    ranks[0].hide_keys([((0, 3),), None, ((40, 45),)])  # a batch's padding joins them, row by row
+    assert ranks[0].hidden_keys == [((0, 3), (45, padded)), ((45, padded),), ((40, padded),)]
     ids = torch.arange(2 * 45).view(2, 45)
     shards = [step.shard(ids, seq_dim=1) for step in ranks]
     assert {tuple(s.shape) for s in shards} == {(2, padded // (cp * sp))}
@@ -124,7 +126,7 @@ def test_documents_of_a_padded_step_continue_their_positions() -> None:
 def test_the_plain_step_is_what_holds_outside_any_step() -> None:
     for rank in range(2):
         plain = Step.plain(SequenceSplit(cp_size=2, cp_rank=rank), group=None)
-        assert plain.is_plain and plain.padding is None and plain.documents is None and plain.tail_hidden is None
+        assert plain.is_plain and plain.padding is None and plain.row_masks == (None, None)
         assert plain.layout.local_chunks == (rank, 3 - rank)  # head-tail
         assert plain.shard(torch.arange(8), seq_dim=0).tolist() == [2 * rank, 2 * rank + 1, 6 - 2 * rank, 7 - 2 * rank]
 

@@ -30,7 +30,8 @@ class ForwardAccumulator:
 
     Merging in fp32: new_lse = logaddexp(lse, lse_b); out = out * e^(lse - new) + out_b * e^(lse_b - new)
     (`merge`). `logaddexp` is stable where the naive log(1 + exp(.)) overflows. A row's first
-    block is copied, not merged.
+    block is copied, not merged. Rows no block reaches (queries that see no key: left
+    padding) come out as SDPA gives a fully masked row: output 0, LSE -inf.
     """
 
     def __init__(self, q: torch.Tensor, *, chunk_len: int, num_chunks: int):
@@ -41,22 +42,30 @@ class ForwardAccumulator:
         self.written = [False] * num_chunks
 
     def add(self, block: Block, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
-        rows = slice(block.q_start * self.chunk_len, block.q_stop * self.chunk_len)
-        chunks = range(block.q_start, block.q_stop)
-        fresh = [not self.written[c] for c in chunks]
+        self._add(block.q_start, block.q_stop, out_b, lse_b)
+
+    def _add(self, first: int, stop: int, out_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+        c = self.chunk_len
+        rows = slice(first * c, stop * c)
+        fresh = [not self.written[chunk] for chunk in range(first, stop)]
         if all(fresh):
             self.out[:, :, rows].copy_(out_b)
             self.lse[:, :, rows].copy_(lse_b)
-        elif any(fresh):  # plans never mix fresh and written rows in one block
-            raise AssertionError(f"block {block} covers both merged and unwritten rows")
-        else:
+        elif not any(fresh):
             merge(self.out[:, :, rows], self.lse[:, :, rows], out_b, lse_b)
-        for c in chunks:
-            self.written[c] = True
+        else:  # padding can leave a chunk unseen by earlier blocks: chunk by chunk then
+            for offset, chunk in enumerate(range(first, stop)):
+                self._add(chunk, chunk + 1, out_b[:, :, offset * c:(offset + 1) * c], lse_b[:, :, offset * c:(offset + 1) * c])
+            return
+        for chunk in range(first, stop):
+            self.written[chunk] = True
 
     def result(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        if not all(self.written):
-            raise AssertionError("CP attention plan left query rows uncomputed")
+        c = self.chunk_len
+        for chunk, written in enumerate(self.written):
+            if not written:  # its queries see no key
+                self.out[:, :, chunk * c:(chunk + 1) * c].zero_()
+                self.lse[:, :, chunk * c:(chunk + 1) * c].fill_(float("-inf"))
         return self.out.to(dtype), self.lse
 
 
@@ -125,7 +134,8 @@ def _window_call(blk: Block, spec: AttentionSpec, q: torch.Tensor):
     (bottom-right aligned) expresses exactly, when both of its sizes come out non-negative.
     """
     mask = spec.mask
-    if not (q.is_cuda and mask.causal and mask.window is not None and mask.chunk is None and mask.documents is None):
+    if not (q.is_cuda and mask.causal and mask.window is not None and mask.chunk is None and mask.documents is None
+            and mask.hidden is None):
         return None
     c = spec.chunk_len
     q0, k0 = blk.q_chunk * c, blk.kv_chunk * c

@@ -42,13 +42,23 @@ class _ContextParallelAttention(torch.autograd.Function):
 
 def _document_rows(documents, *, batch: int) -> list[tuple[int, ...] | None]:
     """One tuple of document starts per batch row; None for a row that is one document."""
-    if documents is None:
+    rows = _per_row(documents, batch=batch, what="documents")
+    rows = [None if row is None else tuple(int(start) for start in row) for row in rows]
+    return [None if row == (0,) else row for row in rows]
+
+
+def _hidden_rows(hidden_keys, *, batch: int) -> list[tuple[tuple[int, int], ...] | None]:
+    """One tuple of hidden key ranges per batch row; None for a row without padding."""
+    rows = [tuple((int(a), int(b)) for a, b in row or ()) for row in _per_row(hidden_keys, batch=batch, what="hidden keys")]
+    return [row or None for row in rows]
+
+
+def _per_row(values, *, batch: int, what: str) -> list:
+    if values is None:
         return [None] * batch
-    if len(documents) not in (1, batch):
-        raise CpctlError(f"CP attention: documents for {len(documents)} rows, but the batch has {batch}")
-    rows = [None if row is None else tuple(int(start) for start in row) for row in documents]
-    rows = [None if row == (0,) else row for row in rows]
-    return rows * batch if len(rows) == 1 else rows
+    if len(values) not in (1, batch):
+        raise CpctlError(f"CP attention: {what} for {len(values)} rows, but the batch has {batch}")
+    return list(values) * batch if len(values) == 1 else list(values)
 
 
 def _as_autocast(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -108,25 +118,27 @@ def context_parallel_attention(
     window: int | None = None,
     chunk: int | None = None,
     documents: Sequence[Sequence[int]] | None = None,
+    hidden_keys: Sequence[Sequence[tuple[int, int]] | None] | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's query shard over the whole (sharded) sequence.
 
-    `window`, `chunk` and `documents` (per batch row, the start position of every packed
-    document) narrow what each query sees (see `masks.Mask`); blocks they hide are skipped,
-    not computed and masked.
+    `window`, `chunk`, `documents` (per batch row, the start position of every packed
+    document) and `hidden_keys` (per batch row, the [start, stop) ranges of padding no query
+    sees) narrow what each query sees (see `masks.Mask`); blocks they hide are skipped, not
+    computed and masked.
     """
     strategy = Strategy.parse(strategy)
     q, k, v = checked_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)
-    rows = _document_rows(documents, batch=q.shape[0])
-    if len(set(rows)) > 1:  # rows packed differently: each its own plan
+    rows = list(zip(_document_rows(documents, batch=q.shape[0]), _hidden_rows(hidden_keys, batch=q.shape[0])))
+    if len(set(rows)) > 1:  # rows packed or padded differently: each its own plan
         return torch.cat([
             context_parallel_attention(q[b:b + 1], k[b:b + 1], v[b:b + 1], group=group, layout=layout,
                                        strategy=strategy, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                                       window=window, chunk=chunk, documents=[rows[b]])
+                                       window=window, chunk=chunk, documents=[rows[b][0]], hidden_keys=[rows[b][1]])
             for b in range(q.shape[0])
         ])
     try:
-        mask = Mask(causal=bool(is_causal), window=window, chunk=chunk, documents=rows[0])
+        mask = Mask(causal=bool(is_causal), window=window, chunk=chunk, documents=rows[0][0], hidden=rows[0][1])
     except ValueError as exc:
         raise CpctlError(f"CP attention: {exc}") from None
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)

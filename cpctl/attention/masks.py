@@ -8,6 +8,12 @@ rectangle of (query, key) pairs cheap to classify from a few rows: fully visible
 a causal square the fused kernels compute with `is_causal`, or partial. A partial rectangle
 is split in halves until every piece is one of the first three or small enough for an
 explicitly masked tile.
+
+Padding (an attention_mask's zeros: left, right or holes) hides keys from every query, as
+transformers reads a 2-D mask: `hidden` key ranges. A rectangle's keys are first cut at those
+ranges, so every piece is again an interval mask over visible keys only, and padding costs
+no explicit tiles. A query that sees no key at all (a left-padding token) gets output 0 and
+log-sum-exp -inf, as SDPA gives a fully masked row.
 """
 
 from __future__ import annotations
@@ -35,13 +41,15 @@ class Mask:
     own `chunk`-token chunk. `documents`: the first position of every document packed into
     the sequence (0 first, ascending); q sees only keys of its own document, and chunks count
     from the document's start (as transformers reads packed position ids, and as each document
-    alone would be chunked). Each narrows the visible interval.
+    alone would be chunked). Each narrows the visible interval. `hidden`: key ranges
+    [start, stop) (ascending, disjoint) that no query sees: the padding of the row.
     """
 
     causal: bool = True
     window: int | None = None
     chunk: int | None = None
     documents: tuple[int, ...] | None = None
+    hidden: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("window", "chunk"):
@@ -51,10 +59,34 @@ class Mask:
         starts = self.documents
         if starts is not None and (not starts or starts[0] != 0 or any(b <= a for a, b in zip(starts, starts[1:]))):
             raise ValueError("mask documents must be ascending document start positions beginning with 0")
+        ranges = self.hidden
+        if ranges is not None and (not ranges or any(start < 0 or stop <= start for start, stop in ranges)
+                                   or any(b[0] <= a[1] for a, b in zip(ranges, ranges[1:]))):
+            raise ValueError("mask hidden keys must be ascending, disjoint, non-empty [start, stop) ranges "
+                             "with a visible key between each two")
 
     @property
     def is_plain(self) -> bool:
-        return self.window is None and self.chunk is None and self.documents is None
+        return self.window is None and self.chunk is None and self.documents is None and self.hidden is None
+
+    def visible_key_ranges(self, k0: int, k1: int) -> list[tuple[int, int]]:
+        """The keys of [k0, k1) that some query may see: [k0, k1) cut at the hidden ranges."""
+        pieces, start = [], k0
+        for h0, h1 in self.hidden or ():
+            if h1 <= start:
+                continue
+            if h0 >= k1:
+                break
+            if h0 > start:
+                pieces.append((start, h0))
+            start = max(start, h1)
+        if start < k1:
+            pieces.append((start, k1))
+        return pieces
+
+    def _cuts_keys(self, k0: int, k1: int) -> bool:
+        """Whether a hidden range reaches into [k0, k1)."""
+        return self.visible_key_ranges(k0, k1) != [(k0, k1)]
 
     def _start(self, q: int) -> int:
         """Where q's document starts (0 without documents)."""
@@ -104,8 +136,16 @@ class Mask:
         return int((hi - lo + 1).sum())
 
     def classify(self, q0: int, q1: int, k0: int, k1: int, *, seq_len: int) -> Visibility:
-        """The rectangle of queries [q0, q1) and keys [k0, k1), from its corner rows (lo, hi monotone)."""
-        if self._hidden(q0, q1, k0, k1, seq_len):
+        """The rectangle of queries [q0, q1) and keys [k0, k1), from its corner rows (lo, hi monotone).
+
+        Keys cut by hidden ranges make it PARTIAL (or NONE): `tiles` cuts them off first."""
+        if self.hidden is not None:
+            pieces = self.visible_key_ranges(k0, k1)
+            if all(self._sees_nothing(q0, q1, a, b, seq_len) for a, b in pieces):
+                return Visibility.NONE
+            if pieces != [(k0, k1)]:
+                return Visibility.PARTIAL
+        if self._sees_nothing(q0, q1, k0, k1, seq_len):
             return Visibility.NONE
         if self.lo(q1 - 1) <= k0 and self.hi(q0, seq_len) >= k1 - 1:
             return Visibility.FULL
@@ -121,7 +161,7 @@ class Mask:
         stop = _first(first, q1, lambda q: self.lo(q) > k1 - 1)
         return first, stop, max(k0, self.lo(first)), min(k1, self.hi(stop - 1, seq_len) + 1)
 
-    def _hidden(self, q0: int, q1: int, k0: int, k1: int, seq_len: int) -> bool:
+    def _sees_nothing(self, q0: int, q1: int, k0: int, k1: int, seq_len: int) -> bool:
         # Rows whose interval ends before k0 form a prefix, rows whose interval starts after
         # k1 - 1 a suffix; the rectangle is hidden iff the two cover every row.
         prefix_end = _first(q0, q1, lambda q: self.hi(q, seq_len) >= k0)
@@ -144,6 +184,8 @@ class Mask:
             q_start, k_start = starts[doc_of(q) - 1], starts[doc_of(k) - 1]
         if self.chunk is not None:
             visible = visible & ((k - k_start) // self.chunk == (q - q_start) // self.chunk)
+        for h0, h1 in self.hidden or ():
+            visible = visible & ((k < h0) | (k >= h1))
         return visible
 
 
@@ -178,7 +220,8 @@ def tiles(mask: Mask, *, q_start: int, k_start: int, q_len: int, k_len: int, seq
           explicit_tile: int = EXPLICIT_TILE) -> list[Tile]:
     """Split the block of queries [q_start, +q_len) x keys [k_start, +k_len) into kernel-ready tiles.
 
-    Hidden pieces are dropped, so work follows the visible area, not the block's.
+    Hidden pieces are dropped, so work follows the visible area, not the block's. Keys are
+    first cut at the mask's hidden ranges; within each visible range the mask is an interval.
     """
     out: list[Tile] = []
 
@@ -211,5 +254,6 @@ def tiles(mask: Mask, *, q_start: int, k_start: int, q_len: int, k_len: int, seq
         for piece in halves:
             visit(*piece)
 
-    visit(0, q_len, 0, k_len)
+    for a, b in mask.visible_key_ranges(k_start, k_start + k_len):
+        visit(0, q_len, a - k_start, b - k_start)
     return out

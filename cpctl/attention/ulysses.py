@@ -172,6 +172,7 @@ def ulysses_attention(
     window: int | None = None,
     chunk: int | None = None,
     documents: Sequence[Sequence[int]] | None = None,
+    hidden_keys: Sequence[Sequence[tuple[int, int]] | None] | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's (batch, heads, local_seq, head_dim) shards, sequence split over
     sp x cp ranks as `sequence_layout(ring_layout, ...)` places it; the result is this rank's
@@ -193,6 +194,6 @@ def ulysses_attention(
     strategy = strategy if dist.get_world_size(cp_group) > 1 else Strategy.RING
     out = context_parallel_attention(q, k, v, group=cp_group, layout=ring_layout, strategy=strategy,
                                      is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
-                                     window=window, chunk=chunk, documents=documents)
+                                     window=window, chunk=chunk, documents=documents, hidden_keys=hidden_keys)
     (out,) = _AllToAll.apply(sp_group, False, out)
     return out

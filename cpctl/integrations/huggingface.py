@@ -19,6 +19,9 @@ transformers builds (Falcon) keeps "sdpa": inside `maybe_context_parallel` it is
 that its SDPA calls read as its causal mask over the whole sequence (`MODEL_CAUSAL_MASK`), and
 those calls are routed like any other code's.
 
+A 2-D attention_mask (left or right padding, holes) becomes keys no query sees
+(hf_padding.py): every position as transformers computes it.
+
 Packed documents are read from position ids exactly when transformers reads them in one
 process: no attention_mask and no KV cache (use_cache off: the config's default, True, keeps
 transformers from reading them).
@@ -207,14 +210,6 @@ def _active() -> RuntimeView | None:
     return _runtime if _runtime is not None and _runtime.cp_active else None
 
 
-def _refuse_padding(runtime: RuntimeView, attention_mask: torch.Tensor | None) -> None:
-    """Right padding is computed (hf_padding); left padding and holes are refused, on every CP rank."""
-    from cpctl.integrations import hf_padding
-
-    if hf_padding.dead_tail_starts(runtime, attention_mask) is not None:
-        runtime.hide_tail("the batch is right-padded")
-
-
 def mask(*args: Any, attention_mask: torch.Tensor | None = None, use_vmap: bool = False, **kwargs: Any):
     """transformers' mask hook: under CP build nothing (the engine knows each layer's pattern)."""
     from transformers.masking_utils import sdpa_mask
@@ -222,7 +217,10 @@ def mask(*args: Any, attention_mask: torch.Tensor | None = None, use_vmap: bool 
     runtime = _active()
     if runtime is None:
         return sdpa_mask(*args, attention_mask=attention_mask, use_vmap=use_vmap, **kwargs)
-    _refuse_padding(runtime, attention_mask)
+    if attention_mask is not None:  # a model whose forward cpctl did not see first: its padding, as hidden keys
+        from cpctl.integrations import hf_padding
+
+        runtime.hide_keys(hf_padding.hidden_keys(runtime, attention_mask))
     if use_vmap:  # transformers builds custom overlays (image tokens, bidirectional blocks) this way
         raise CpctlError(
             "the model asks for a custom attention mask (e.g. bidirectional image tokens) under context parallelism; "
@@ -297,15 +295,17 @@ def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: Runtim
     if tokens is None:
         raise CpctlError("a Hugging Face model under context parallelism needs input_ids or inputs_embeds")
     batch, local_len = tokens.shape[0], tokens.shape[1]
-    for name in ("input_ids", "inputs_embeds", "position_ids", "labels", "shift_labels", "attention_mask"):
-        runtime.require_sharded(kwargs.get(name), name=name, seq_dim=1)
     from cpctl.integrations import hf_padding
 
-    hf_padding.adapt(kwargs, runtime, local_len=local_len, device=tokens.device)  # drops the mask
+    hf_padding.require_2d(kwargs.get("attention_mask"))
+    for name in ("input_ids", "inputs_embeds", "position_ids", "labels", "shift_labels", "attention_mask"):
+        runtime.require_sharded(kwargs.get(name), name=name, seq_dim=1)
+
+    # As transformers: position ids restarting mean packed documents only where no mask is given.
+    reads_documents = kwargs.get("attention_mask") is None and not _builds_cache(model, kwargs)
+    hf_padding.adapt(kwargs, runtime, local_len=local_len, device=tokens.device)  # the mask -> hidden keys
     if kwargs.get("use_cache"):
         raise CpctlError("use_cache=True under context parallelism: a KV cache of a shard is no use; pass use_cache=False")
-    reads_documents = kwargs.get("attention_mask") is None and not _builds_cache(model, kwargs)
-    kwargs["attention_mask"] = None  # all ones: nothing to mask
     kwargs["use_cache"] = False
     if getattr(model, "_cpctl_calls_sdpa", False):
         if kwargs.get("output_attentions"):

@@ -12,18 +12,17 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
-    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
     from cpctl.config import Profile
     from cpctl.runtime.padding import EndPadding
+    from cpctl.runtime.step import HiddenKeys
 
 
 class RuntimeView(Protocol):
     """What huggingface.py and hf_padding.py call on the runtime handed to them."""
 
     config: Profile
-    device: torch.device
     axes: Mapping[str, DeviceMesh]
     caller_counts_tokens: bool  # inside rt.caller_counts_loss_tokens()
     attention_calls: int  # calls of the CP engine so far
@@ -33,9 +32,6 @@ class RuntimeView(Protocol):
 
     @property
     def seq_size(self) -> int: ...
-
-    @property
-    def seq_group(self) -> dist.ProcessGroup: ...
 
     @property
     def cp_active(self) -> bool: ...
@@ -49,7 +45,7 @@ class RuntimeView(Protocol):
 
     def appended_in_shard(self, local_len: int, *, device: torch.device | None = None) -> torch.Tensor | None: ...
 
-    def hide_tail(self, reason: str) -> None: ...
+    def hide_keys(self, rows: HiddenKeys) -> None: ...
 
     def require_sharded(self, tensor: torch.Tensor | None, *, name: str, seq_dim: int) -> None: ...
 

@@ -45,7 +45,7 @@ from cpctl.runtime.parallelize import (
 )
 from cpctl.runtime.pinned import HostArena, offload_saved_activations
 from cpctl.runtime.selective import AttentionMemo
-from cpctl.runtime.step import SequenceSplit, Step
+from cpctl.runtime.step import HiddenKeys, RowMasks, SequenceSplit, Step
 from cpctl.runtime.tiling import apply_tiled_mlp, apply_tiled_norms
 from cpctl.versions import require_torch
 
@@ -279,10 +279,10 @@ class Runtime:
         contexts anew.
         """
         step = self._step
-        documents = None if step is None else step.documents
+        masks = None if step is None else step.row_masks
 
         def routing() -> contextlib.AbstractContextManager:
-            return self._routing(step, documents) if step is not None else contextlib.nullcontext()
+            return self._routing(step, masks) if step is not None else contextlib.nullcontext()
 
         if self._levels is None or not self._levels.selective(index):
             return contextlib.nullcontext(), _EachEntry(routing)
@@ -312,21 +312,21 @@ class Runtime:
             self.caller_counts_tokens = was
 
     @contextlib.contextmanager
-    def _routing(self, step: Step, documents: list[packing.Starts] | None) -> Iterator[None]:
-        """`step` active, with `documents`: attention computed across the CP group (SDPA calls, and
-        Hugging Face layers, which ask cp_active)."""
-        was = self._step, step.documents
-        self._step, step.documents = step, documents
+    def _routing(self, step: Step, masks: RowMasks) -> Iterator[None]:
+        """`step` active, with its rows' `masks` (documents, hidden keys) as a forward saw them:
+        attention computed across the CP group (SDPA calls, and Hugging Face layers, which ask cp_active)."""
+        was = self._step, step.row_masks
+        self._step, step.row_masks = step, masks
         try:
             with RouteSDPA(self.step_attention, cp_size=self.seq_size, passes_masks=self._passes_masks):
                 yield
         finally:
-            self._step, step.documents = was
+            self._step, step.row_masks = was
 
     def _passes_masks(self) -> bool:
         """Whether an SDPA call with a tensor mask may run as it is: at cp_size 1 the mask covers the
         whole sequence, unless this step's documents would have to be added to it."""
-        return self.seq_size == 1 and self._current_step().documents is None
+        return self.seq_size == 1 and self._current_step().row_masks == (None, None)
 
     def prepare_dataloader(self, dataset, *, batch_size: int = 1, shuffle: bool = True, collate_fn=None,
                            seed: int = 0, **loader_kwargs) -> torch.utils.data.DataLoader:
@@ -386,19 +386,22 @@ class Runtime:
         """Which of this rank's `local_len` tokens were appended by the step's padding (None: none)."""
         return self._current_step().appended_in_shard(local_len, device=device or self.device)
 
-    def hide_tail(self, reason: str) -> None:
-        """Tokens at the end of this step's rows count for nothing: attention must stay causal (inside a step)."""
+    def hide_keys(self, rows: HiddenKeys) -> None:
+        """The padding of the batch the running forward computes: per row, the [start, stop) ranges
+        of positions that no query sees (inside a step; see `Step.hide_keys`)."""
         if self._step is not None:
-            self._step.hide_tail(reason)
+            self._step.hide_keys(rows)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = False,
                   scale: float | None = None, enable_gqa: bool = False, window: int | None = None,
-                  chunk: int | None = None, documents: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+                  chunk: int | None = None, documents: Sequence[Sequence[int]] | None = None,
+                  hidden_keys: HiddenKeys = None) -> torch.Tensor:
         """CP attention on already-sharded (batch, heads, local_seq, head_dim) tensors.
 
         `window`: each query sees the `window` keys ending at itself (and as many after it when
         not causal); `chunk`: only keys of its own `chunk`-token chunk (Llama 4); `documents`:
-        per batch row, the start of every packed document; queries see only their own.
+        per batch row, the start of every packed document; queries see only their own;
+        `hidden_keys`: per batch row, [start, stop) ranges of keys no query sees (padding).
         """
         def compute() -> torch.Tensor:
             # cp_size 1 too: the same plan and kernels over a group of one (no collectives), so
@@ -408,22 +411,18 @@ class Runtime:
                 return ulysses_attention(
                     q, k, v, sp_group=self.axes["sp"].get_group(), cp_group=self.cp_group, ring_layout=self.ring_layout,
                     strategy=self.config.parallelism.cp_comm_strategy, is_causal=is_causal, scale=scale,
-                    enable_gqa=enable_gqa, window=window, chunk=chunk, documents=documents)
+                    enable_gqa=enable_gqa, window=window, chunk=chunk, documents=documents, hidden_keys=hidden_keys)
             return context_parallel_attention(
                 q, k, v, group=self.cp_group, layout=self.layout, strategy=self.config.parallelism.cp_comm_strategy,
                 is_causal=is_causal, scale=scale, enable_gqa=enable_gqa, window=window, chunk=chunk,
-                documents=documents)
+                documents=documents, hidden_keys=hidden_keys)
 
         return self._memo.call(compute) if self._memo is not None else compute()
 
     def step_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor:
-        """`attention` with this step's packed documents: what routed calls inside the context get."""
+        """`attention` with this step's packed documents and padding: what routed calls inside the context get."""
         step = self._current_step()
-        if step.tail_hidden is not None and not options.get("is_causal", False):
-            raise CpctlError(f"attention that is not causal under context parallelism, and {step.tail_hidden}: "
-                             "every token would see those at the end; make each row's length a multiple of "
-                             f"{self.layout.num_chunks} without padding (or use causal attention)")
-        return self.attention(q, k, v, documents=step.documents, **options)
+        return self.attention(q, k, v, documents=step.documents, hidden_keys=step.hidden_keys, **options)
 
     def require_sharded(self, tensor: torch.Tensor | None, *, name: str, seq_dim: int) -> None:
         """Inside maybe_context_parallel: `tensor` must have this step's local length along `seq_dim`."""
@@ -516,7 +515,7 @@ class Runtime:
                    pad_values=None if pad_values is None else list(pad_values))
         self.last_step = step
         try:
-            with self._routing(step, step.documents):
+            with self._routing(step, step.row_masks):
                 yield step
         finally:
             step.exit()

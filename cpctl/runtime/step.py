@@ -30,6 +30,9 @@ from cpctl.errors import CpctlError
 from cpctl.runtime import documents as packing
 from cpctl.runtime import padding
 
+HiddenKeys = list[tuple[tuple[int, int], ...] | None] | None  # per batch row (one entry: every row)
+RowMasks = tuple[list[packing.Starts] | None, HiddenKeys]
+
 
 @dataclass(frozen=True)
 class SequenceSplit:
@@ -64,9 +67,10 @@ class Step:
         self.split, self.group = split, group
         plain = split.plain_ring()
         self.padding = padding.plan(seq_len, divisor=split.tokens_of(plain).num_chunks)
-        self.tail_hidden: str | None = None  # why attention must be causal (tokens at the end that count for nothing)
+        # Per row, the keys no query sees: the appended tokens, and the padding of the batch
+        # (`hide_keys`); None: every key is seen.
+        self.hidden_keys: HiddenKeys = self._with_appended(None)
         if self.padding is not None:
-            self.hide_tail(self.padding.describe())
             if documents is not None:
                 documents = padding.pad(documents, seq_dim=-1, padding=self.padding, value=padding.POSITIONS)
         self.ring_layout, self.placement = plain, None
@@ -126,9 +130,28 @@ class Step:
             for buffer, original in restore:
                 buffer.set_(original)
 
-    def hide_tail(self, reason: str) -> None:
-        """Tokens at the end of this step's rows count for nothing: attention must stay causal."""
-        self.tail_hidden = self.tail_hidden or reason
+    def hide_keys(self, rows: HiddenKeys) -> None:
+        """The batch's padding, per row the [start, stop) ranges of its real positions that no
+        query sees (a 2-D attention_mask's zeros), for the attention of the forward now running."""
+        self.hidden_keys = self._with_appended(rows)
+
+    def _with_appended(self, rows: HiddenKeys) -> HiddenKeys:
+        """`rows` and the tokens this step appended, which no query of any row sees."""
+        if self.padding is None:
+            return rows
+        appended = (self.padding.length, self.padding.padded)
+        if rows is None:
+            return [(appended,)]
+        return [_joined(row or (), appended) for row in rows]
+
+    @property
+    def row_masks(self) -> RowMasks:
+        """What attention in this step narrows per row: its packed documents and its hidden keys."""
+        return self.documents, self.hidden_keys
+
+    @row_masks.setter
+    def row_masks(self, masks: RowMasks) -> None:
+        self.documents, self.hidden_keys = masks
 
     # ------------------------------------------------------------------ shards and gathers
 
@@ -197,6 +220,13 @@ class Step:
             )
         raise CpctlError(f"{name} has sequence length {length}, but this step's sharded buffers have "
                          f"{sorted(self.seq_lengths.values())} tokens per rank")
+
+
+def _joined(ranges: tuple[tuple[int, int], ...], last: tuple[int, int]) -> tuple[tuple[int, int], ...]:
+    """Ascending disjoint `ranges` (all before `last[0]`, or reaching it) with `last` added, touching ones merged."""
+    if ranges and ranges[-1][1] >= last[0]:
+        return (*ranges[:-1], (ranges[-1][0], max(ranges[-1][1], last[1])))
+    return (*ranges, last)
 
 
 def _alias(tensor: torch.Tensor) -> torch.Tensor:

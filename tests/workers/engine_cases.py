@@ -25,10 +25,10 @@ def gather_full(local: torch.Tensor, layout: ChunkLayout, group) -> torch.Tensor
     return unshard(pieces, seq_dim=2, layout=layout)
 
 
-def reference_mask(n, *, causal, window, chunk, documents, device):
+def reference_mask(n, *, causal, window, chunk, documents, device, hidden=None):
     """None for plain attention; else the boolean mask as Hugging Face's mask functions define it
-    ((n, n), or (batch, 1, n, n) with documents per row)."""
-    if window is None and chunk is None and documents is None:
+    ((n, n), or (batch, 1, n, n) with documents or hidden keys (padding) per row)."""
+    if window is None and chunk is None and documents is None and hidden is None:
         return None
     q, k = torch.arange(n, device=device)[:, None], torch.arange(n, device=device)[None, :]
     allowed = (k <= q) if causal else torch.ones(n, n, dtype=torch.bool, device=device)
@@ -36,15 +36,28 @@ def reference_mask(n, *, causal, window, chunk, documents, device):
         allowed &= (k > q - window) if causal else ((q - k).abs() < window)
     if chunk is not None:
         allowed &= k // chunk == q // chunk
-    if documents is None:
+    if documents is None and hidden is None:
         return allowed
     rows = []
-    for starts in documents:
+    for starts, ranges in zip(documents or [(0,)] * len(hidden), hidden or [None] * len(documents)):
         doc = torch.zeros(n, dtype=torch.long, device=device)
         for start in starts[1:]:
             doc[start:] += 1
-        rows.append(allowed & (doc[:, None] == doc[None, :]))
+        row = allowed & (doc[:, None] == doc[None, :])
+        for h0, h1 in ranges or ():  # a 2-D attention_mask's zeros: keys no query sees
+            row = row & ((k < h0) | (k >= h1))
+        rows.append(row)
     return torch.stack(rows)[:, None]
+
+
+def hidden_rows(pattern, seq, batch):
+    """Padding (hidden key ranges) per row for a named pattern: as attention_mask zeros would give."""
+    patterns = {
+        "left": [((0, 5),), ((0, seq // 2 + 3),)],  # the second row's padding covers whole chunks (and ranks)
+        "right": [((seq - 9, seq),), None],
+        "holes": [((3, 4), (seq // 4, seq // 2 + 1)), ((0, 2), (seq - 1, seq))],
+    }
+    return patterns[pattern][:batch]
 
 
 def document_rows(pattern, seq, batch):
@@ -61,13 +74,15 @@ def document_rows(pattern, seq, batch):
 
 
 def run_case(*, strategy, causal, load_balance, q_heads, kv_heads, batch, seq, dtype, device, group,
-             window=None, chunk=None, v_dim=None, documents=None):
+             window=None, chunk=None, v_dim=None, documents=None, hidden=None):
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     layout = ChunkLayout(cp_size=world, cp_rank=rank, load_balance=load_balance)
     if documents is not None:
         documents = document_rows(documents, seq, batch)
         if load_balance:  # packed documents get the cost-balanced layout the runtime would pick
             layout = place(documents, seq_len=seq, cp_size=world, cp_rank=rank).layout
+    if hidden is not None:
+        hidden = hidden_rows(hidden, seq, batch)
     gen = torch.Generator().manual_seed(1234)
     head_dim = 16 if device.type == "cpu" else 64
 
@@ -79,7 +94,8 @@ def run_case(*, strategy, causal, load_balance, q_heads, kv_heads, batch, seq, d
     k, v = rand(batch, kv_heads, seq, head_dim), rand(batch, kv_heads, seq, v_dim)
     ref_dtype = torch.promote_types(dtype, torch.float32)  # reference in fp32 (fp64 for fp64)
     ref_inputs = [t.detach().to(ref_dtype).clone().requires_grad_() for t in (q, k, v)]
-    mask = reference_mask(seq, causal=causal, window=window, chunk=chunk, documents=documents, device=device)
+    mask = reference_mask(seq, causal=causal, window=window, chunk=chunk, documents=documents, device=device,
+                          hidden=hidden)
     ref = F.scaled_dot_product_attention(*ref_inputs, attn_mask=mask, is_causal=causal and mask is None,
                                          enable_gqa=kv_heads != q_heads)
     ref.backward(dout.to(ref_dtype))
@@ -87,7 +103,7 @@ def run_case(*, strategy, causal, load_balance, q_heads, kv_heads, batch, seq, d
     local = [shard(t, seq_dim=2, layout=layout).requires_grad_() for t in (q, k, v)]
     out = context_parallel_attention(*local, group=group, layout=layout, strategy=strategy,
                                      is_causal=causal, enable_gqa=kv_heads != q_heads, window=window, chunk=chunk,
-                                     documents=documents)
+                                     documents=documents, hidden_keys=hidden)
     out.backward(shard(dout, seq_dim=2, layout=layout))
     results = {"out": gather_full(out.detach(), layout, group)}
     for name, tensor in zip("qkv", local):
@@ -135,6 +151,8 @@ def main():
                dict(dtype=torch.float64, window=24)]
     extras += [dict(documents=d) for d in ("one_token", "spanning", "many_short", "whole", "mixed_rows")]
     extras += [dict(documents="spanning", window=6)]
+    extras += [dict(hidden=h) for h in ("left", "right", "holes")] + [dict(hidden="left", documents="spanning"),
+                                                                      dict(hidden="holes", window=7)]
     if device_type == "cuda":
         extras = [e for e in extras if e.get("dtype") != torch.float64]
     for strategy, causal, load_balance, extra in itertools.product(STRATEGIES, (True, False), (True, False), extras):

@@ -100,8 +100,7 @@ def refused_calls(rt, model, config) -> dict:
         with rt.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
             model(input_ids=ids, **call)
 
-    padded = torch.ones(2, 64, dtype=torch.long)
-    padded[0, :5] = 0
+    ready_made_mask = torch.ones(2, 1, 64, 64, dtype=torch.bool).tril()  # a 4-D mask: not a padding mask
     full_labels = torch.zeros(2, 64, dtype=torch.long)
     def checkpointing_enabled_late():
         model.gradient_checkpointing_enable()
@@ -139,7 +138,7 @@ def refused_calls(rt, model, config) -> dict:
 
     return {
         "checkpointing_after_prepare": error_of(checkpointing_enabled_late),
-        "padding_mask": error_of(lambda: step(attention_mask=padded)),
+        "mask_4d": error_of(lambda: step(attention_mask=ready_made_mask)),
         "use_cache": error_of(lambda: step(use_cache=True)),
         # a caller's own count (outside the Trainer's compute_loss): made before sharding, it would count
         # each token once per CP rank

@@ -1,6 +1,7 @@
-"""Worker for tests/test_row_ends.py: rows whose end the CP layout does not divide, and right padding.
+"""Worker for tests/test_row_ends.py: rows whose end the CP layout does not divide, and padded batches.
 
     cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 tests/workers/row_end_cases.py OUT.json
+    (also at cp 1 and sp 2 x cp 2: every case holds at every size)
 
 Each case runs a step of a tiny Hugging Face Llama (or a plain SDPA call) under CP and the same
 step in this process on the full batch, the simple way; it records the largest differences, or
@@ -79,33 +80,74 @@ def case_model_loss_odd_length(rt) -> dict:
     return {"loss": abs(got.item() - want.item()), "grads": grad_gap(model, reference)}
 
 
-def right_padded(rows_lengths: list[int], length: int, *, seed: int = 3) -> dict[str, torch.Tensor]:
-    """What DataCollatorForLanguageModeling builds: ids padded on the right with 0, mask, labels -100 at pads."""
+def padded(rows_lengths: list[int], length: int, *, side: str = "right", seed: int = 3) -> dict[str, torch.Tensor]:
+    """What DataCollatorForLanguageModeling builds (tokenizer.padding_side = `side`): ids padded with 0,
+    the mask, labels -100 at the pads."""
     ids = tokens(len(rows_lengths), length, seed=seed)
     mask = torch.zeros_like(ids)
     for row, n in enumerate(rows_lengths):
         mask[row, :n] = 1
+    if side == "left":
+        mask = mask.flip(1)
     ids = ids.masked_fill(mask == 0, 0)
     return {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}
 
 
-def case_right_padding(rt) -> dict:
-    """A right-padded batch (rows of 59 and 40 tokens, 59 long: padded to 60 as well) against one
-    process with the same attention_mask; the model's own loss; logits compared on real tokens."""
+def padded_step(rt, batch: dict[str, torch.Tensor], *, pad_values=None) -> dict:
+    """The model's own loss on `batch` (with its attention_mask) under CP against one process;
+    logits compared at every position, padding included."""
     model, reference = pair(rt)
-    batch = right_padded([59, 40], 59)
     want = reference(**batch)
     want.loss.backward()
     inputs = {name: t.clone() for name, t in batch.items()}
     buffers = list(inputs.values())
-    with rt.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * 3, no_restore_buffers=set(buffers),
-                                   pad_values=[None, 0, -100]):
+    with rt.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers), no_restore_buffers=set(buffers),
+                                   pad_values=pad_values):
         out = model(**inputs)
         out.loss.backward()
         logits = rt.unshard(out.logits.detach(), 1)
-    real = batch["attention_mask"].bool()
     return {"loss": abs(out.loss.item() - want.loss.item()), "grads": grad_gap(model, reference),
-            "logits": (logits - want.logits.detach())[real].abs().max().item()}
+            "logits": (logits - want.logits.detach()).abs().max().item()}
+
+
+def case_right_padding(rt) -> dict:
+    """A right-padded batch (rows of 59 and 40 tokens, 59 long: padded to 60 as well)."""
+    return padded_step(rt, padded([59, 40], 59), pad_values=[None, 0, -100])
+
+
+def case_left_padding(rt) -> dict:
+    """A left-padded batch (59 and 40 tokens, 59 long): the second row's padding fills whole shards,
+    whose queries see no key; the last pad's prediction of the first token counts, as in one process."""
+    return padded_step(rt, padded([59, 40], 59, side="left"), pad_values=[None, 0, -100])
+
+
+def case_holes(rt) -> dict:
+    """Zeros inside the mask, and labels that count every position (padding tokens' too)."""
+    batch = padded([64, 64], 64, seed=7)
+    batch["attention_mask"][0, 5:9] = 0
+    batch["attention_mask"][1, 20:45] = 0
+    batch["attention_mask"][1, :2] = 0
+    batch["labels"] = batch["input_ids"].clone()
+    return padded_step(rt, batch)
+
+
+def case_left_padding_with_positions(rt) -> dict:
+    """Left padding with the position ids generation builds from the mask (cumsum - 1, pads at 1):
+    with a mask, transformers reads them as positions only, never as packed documents."""
+    batch = padded([64, 37], 64, side="left", seed=8)
+    positions = (batch["attention_mask"].cumsum(1) - 1).masked_fill(batch["attention_mask"] == 0, 1)
+    return padded_step(rt, {**batch, "position_ids": positions})
+
+
+def case_bidirectional_padded(rt) -> dict:
+    """Attention that is not causal on 31 tokens (padded to 32): the appended token is seen by no query."""
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 2, 31, 8, generator=gen) for _ in range(3))
+    want = F.scaled_dot_product_attention(q, k, v)
+    qs, ks, vs = q.clone(), k.clone(), v.clone()
+    with rt.maybe_context_parallel(buffers=[qs, ks, vs], buffer_seq_dims=[2, 2, 2], no_restore_buffers={qs, ks, vs}):
+        out = rt.unshard(F.scaled_dot_product_attention(qs, ks, vs), 2)
+    return {"out": (out - want).abs().max().item()}
 
 
 def case_packed_odd_length(rt) -> dict:
@@ -155,20 +197,7 @@ def case_refusals(rt) -> dict:
         with rt.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers), **options):
             model(**inputs)
 
-    left = right_padded([64, 50], 64)
-    left = {name: t.flip(1) for name, t in left.items()}  # the padding first
-    counted = right_padded([64, 50], 64)
-    counted["labels"] = counted["input_ids"].clone()  # the pads' labels are counted
-
-    def bidirectional():
-        q = torch.randn(1, 2, 31, 8, generator=torch.Generator().manual_seed(6))
-        ids = tokens(1, 31)
-        with rt.maybe_context_parallel(buffers=[ids, q], buffer_seq_dims=[1, 2]):
-            F.scaled_dot_product_attention(q, q, q)
-
-    return {"left_padding": error_of(lambda: call(left)), "labels_on_padding": error_of(lambda: call(counted)),
-            "not_causal_padded": error_of(bidirectional),
-            "pad_values_length": error_of(lambda: call({"input_ids": tokens(1, 63)}, pad_values=[0, 0])),
+    return {"pad_values_length": error_of(lambda: call({"input_ids": tokens(1, 63)}, pad_values=[0, 0])),
             "shard_uneven": error_of(lambda: rt.shard(tokens(1, 7), seq_dim=1))}
 
 
@@ -190,7 +219,7 @@ def main() -> None:
             results[name.removeprefix("case_")] = {"crashed": traceback.format_exc()}
     if rt.is_main:
         with open(sys.argv[1], "w") as f:
-            json.dump({"cp": rt.cp_size, "cases": results}, f)
+            json.dump({"cp": rt.cp_size, "sp": rt.sp_size, "cases": results}, f)
 
 
 if __name__ == "__main__":
