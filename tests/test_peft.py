@@ -1,7 +1,8 @@
-"""LoRA (peft) under cpctl: `get_peft_model` before `rt.prepare_model`, trained at cp 2 (and in one
-process through cpctl's runtime) against one plain process with peft: the same losses and adapter
-gradients (1e-5, fp32); the adapters saved with `save_pretrained` reload in plain peft with the
-trained model's logits.
+"""LoRA (peft) under cpctl: `get_peft_model` before `rt.prepare_model`, adapters on every linear
+projection, trained at cp 2 (full tier: cp 1, sp 2 x cp 2, each checkpointing level, tiled MLPs;
+one process through cpctl's runtime; the Trainer) against one plain process with peft: the same
+losses and adapter gradients (1e-5, fp32), no gradient for a frozen weight; the adapters saved
+with `save_pretrained` reload in plain peft with the trained model's logits.
 """
 
 from __future__ import annotations
@@ -59,15 +60,45 @@ def assert_adapters_reload(out: Path) -> None:
         assert (model(input_ids=PROBE).logits - torch.load(out / "logits.pt")).abs().max().item() <= TOLERANCE
 
 
-def test_lora_at_cp2_trains_and_saves_as_one_process(tmp_path: Path, reference: dict) -> None:
-    out = tmp_path / "cp2"
-    code, stdout, stderr = finish(cpctl(*CP2, "--script-api", "cpctl", str(WORKER),
-                                        str(out), tmp_path=tmp_path))
+# Layouts and checkpointing levels a LoRA run is launched with; cp 2 in the quick tier.
+CHECKPOINTING = ("--activation-checkpointing", "true", "--checkpoint-level")
+LAYOUTS = {
+    "cp2": CP2,
+    "cp1": ("--device", "cpu", "--nproc-per-node", "1"),
+    "sp2-cp2": ("--device", "cpu", "--nproc-per-node", "4", "--cp-size", "2", "--sp-size", "2"),
+    "cp2-full-checkpointing": (*CP2, *CHECKPOINTING, "full"),
+    "cp2-selective-checkpointing": (*CP2, *CHECKPOINTING, "selective"),
+    "cp2-mixed-checkpointing-tiled": (*CP2, *CHECKPOINTING, "mixed", "--selective-blocks", "1", "--tiled-mlp-tokens", "8",
+                                      "--tiled-norm-tokens", "8"),
+}
+
+
+def launch(tmp_path: Path, flags: tuple[str, ...], *extra: str) -> dict:
+    tmp_path.mkdir(exist_ok=True)
+    out = tmp_path / "out"
+    code, stdout, stderr = finish(cpctl(*flags, "--script-api", "cpctl", str(WORKER), str(out), *extra,
+                                        tmp_path=tmp_path))
     assert code == 0, stdout + stderr
-    result = json.loads((out / "result.json").read_text())
+    return json.loads((out / "result.json").read_text()) | {"out": out}
+
+
+@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name == "cp2" else pytest.mark.full)
+                                    for name in LAYOUTS])
+def test_lora_trains_and_saves_as_one_process(tmp_path: Path, reference: dict, layout: str) -> None:
+    result = launch(tmp_path, LAYOUTS[layout])
     assert_same_training(result, reference)
     assert result["frozen_dtypes"] == ["torch.float32"]
-    assert_adapters_reload(out)
+    assert result["frozen_with_grads"] == 0  # FSDP2 makes no gradient (so no optimizer state) for frozen weights
+    assert_adapters_reload(result["out"])
+
+
+@pytest.mark.full
+def test_lora_dropout_is_recomputed_with_the_forwards_masks(tmp_path: Path) -> None:
+    """Dropout draws other masks under CP than in one process; a checkpointed block's recompute must
+    draw the forward's again, so checkpointing changes no gradient."""
+    plain = launch(tmp_path / "plain", CP2, "--dropout", "0.3")
+    checkpointed = launch(tmp_path / "checkpointed", (*CP2, *CHECKPOINTING, "full"), "--dropout", "0.3")
+    assert_same_training(checkpointed, plain)
 
 
 @pytest.mark.full
@@ -113,7 +144,7 @@ def test_get_peft_model_after_prepare_model_is_one_line_before_any_step(tmp_path
                                         str(tmp_path / "out"), "--peft-after-prepare", tmp_path=tmp_path))
     assert code == 1, stdout + stderr
     (line,) = error_lines(stderr)
-    assert "8 parameters were added to the model after rt.prepare_model" in line and "lora_A" in line, line
+    assert "28 parameters were added to the model after rt.prepare_model" in line and "lora_A" in line, line
     assert "get_peft_model(model, config), then rt.prepare_model" in line, line
 
 

@@ -140,7 +140,9 @@ def _gathering_adapters(save_pretrained: Any) -> Any:
         kwargs["is_main_process"] = True
 
         def write(staging: Path) -> None:
-            _write_as_one_process(lambda: save_pretrained(self, staging, *args, **kwargs))
+            # peft finds its adapters' keys from the module tree: it must see the names it built
+            with saving.checkpoint_wrappers_lifted(self):
+                _write_as_one_process(lambda: save_pretrained(self, staging, *args, **kwargs))
 
         saving.write_together(save_directory, write, what=f"saving the adapters ({what})")
 

@@ -99,7 +99,9 @@ def apply_activation_checkpointing(blocks: list[nn.Module], model: nn.Module, *,
              if id(child) in index]
     wrappers: dict[int, nn.Module] = {}
     for parent, name, position in slots:
-        wrappers[position] = checkpoint_wrapper(getattr(parent, name), preserve_rng_state=False,
+        # The recompute replays the forward's RNG: dropout (LoRA's lora_dropout, a model's hidden
+        # dropout) must draw the same masks, or the gradients are of another forward.
+        wrappers[position] = checkpoint_wrapper(getattr(parent, name), preserve_rng_state=True,
                                                 context_fn=functools.partial(contexts, position))
         parent.register_module(name, wrappers[position])
     return [wrappers[position] for position in sorted(wrappers)]

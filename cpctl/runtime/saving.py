@@ -11,6 +11,7 @@ same one-line error together.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
 import itertools
@@ -19,7 +20,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -37,6 +38,24 @@ ARRIVAL_TIMEOUT_S = 120
 # a new save replaces all of them, so a sharded save never leaves an older unsharded file beside it.
 _WEIGHT_FILE = re.compile(r"^(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?$")
 _saves = itertools.count()
+
+
+@contextlib.contextmanager
+def checkpoint_wrappers_lifted(model: nn.Module) -> Iterator[None]:
+    """Inside, each activation-checkpointing wrapper's place in `model` is held by the block it wraps,
+    so module names are the unwrapped model's (a library that reads them, as peft's adapter save
+    does, finds what it made); put back on exit. For writing only: no forward runs meanwhile."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    lifted = [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+              if isinstance(child, CheckpointWrapper)]
+    for parent, name, wrapper in lifted:
+        setattr(parent, name, wrapper._checkpoint_wrapped_module)
+    try:
+        yield
+    finally:
+        for parent, name, wrapper in lifted:
+            setattr(parent, name, wrapper)
 
 
 def is_sharded(model: nn.Module) -> bool:

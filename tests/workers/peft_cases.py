@@ -3,10 +3,12 @@ its losses, its adapters' gradients, the trained model's logits, and its adapter
 `save_pretrained` (rank 0 writes OUT/result.json and OUT/adapters/).
 
     python tests/workers/peft_cases.py OUT --plain          # one plain process with peft: the reference
-    python tests/workers/peft_cases.py OUT [--bf16-base]     # cpctl's runtime, one process
+    python tests/workers/peft_cases.py OUT [--bf16-base] [--dropout P]   # cpctl's runtime, one process
     python tests/workers/peft_cases.py OUT --trainer         # a transformers Trainer (also under cpctl launch
                                                              # --script-api accelerate): losses, saved adapters
     cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 tests/workers/peft_cases.py OUT
+    (any layout and checkpointing level the launch sets: the adapters sit on every linear projection,
+    the tiled MLPs' too)
 """
 
 from __future__ import annotations
@@ -31,9 +33,9 @@ def base_model() -> LlamaForCausalLM:
     return LlamaForCausalLM(config)
 
 
-def lora(model: LlamaForCausalLM):
+def lora(model: LlamaForCausalLM, *, dropout: float = 0.0):
     torch.manual_seed(1)
-    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=dropout))
 
 
 def batches() -> list[torch.Tensor]:
@@ -47,9 +49,11 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().float().cpu()
 
 
-def train(model, *, step_context, token_mean, device) -> tuple[list[float], list[dict[str, list]]]:
+def train(model, *, step_context, token_mean, device) -> tuple[list[float], list[dict[str, list]], int]:
+    """Two steps: the losses, the adapters' gradients, and how many frozen parameters got a gradient."""
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses, gradients = [], []
+    losses, gradients, frozen_with_grads = [], [], 0
+    torch.manual_seed(3)  # dropout's masks: the same in every run of one layout
     for ids in batches():
         ids = ids.to(device)
         labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
@@ -59,12 +63,13 @@ def train(model, *, step_context, token_mean, device) -> tuple[list[float], list
             loss_sum = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="sum")
             loss = token_mean(loss_sum, labels)
             loss.backward()
+        frozen_with_grads += sum(p.grad is not None for p in model.parameters() if not p.requires_grad)
         gradients.append({name.replace("._checkpoint_wrapped_module", ""): full(p.grad).tolist()
                           for name, p in model.named_parameters() if p.requires_grad})
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, gradients
+    return losses, gradients, frozen_with_grads
 
 
 class Rows(torch.utils.data.Dataset):
@@ -106,6 +111,7 @@ def main() -> None:
     parser.add_argument("--bf16-base", action="store_true", help="the frozen base in bf16, as released checkpoints are")
     parser.add_argument("--peft-after-prepare", action="store_true", help="get_peft_model after prepare_model (refused)")
     parser.add_argument("--trainer", action="store_true", help="through a transformers Trainer")
+    parser.add_argument("--dropout", type=float, default=0.0, help="peft's lora_dropout")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.trainer:
@@ -113,8 +119,8 @@ def main() -> None:
     import contextlib
 
     if args.plain:
-        model = lora(base_model())
-        losses, gradients = train(model, step_context=lambda buffers: contextlib.nullcontext(),
+        model = lora(base_model(), dropout=args.dropout)
+        losses, gradients, frozen_with_grads = train(model, step_context=lambda buffers: contextlib.nullcontext(),
                                   token_mean=lambda s, labels: s / (labels != -100).sum(), device="cpu")
         main_rank, device = True, torch.device("cpu")
     else:
@@ -122,10 +128,11 @@ def main() -> None:
 
         rt = cpctl.init()
         base = base_model().to(torch.bfloat16) if args.bf16_base else base_model()
-        model = lora(rt.prepare_model(base)) if args.peft_after_prepare else rt.prepare_model(lora(base))
+        model = (lora(rt.prepare_model(base), dropout=args.dropout) if args.peft_after_prepare
+                 else rt.prepare_model(lora(base, dropout=args.dropout)))
         context = lambda buffers: rt.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1] * len(buffers),  # noqa: E731
                                                             no_restore_buffers=set(buffers))
-        losses, gradients = train(model, step_context=context, token_mean=rt.token_mean, device=rt.device)
+        losses, gradients, frozen_with_grads = train(model, step_context=context, token_mean=rt.token_mean, device=rt.device)
         main_rank, device = rt.is_main, rt.device
     frozen = {str(p.dtype) for p in model.parameters() if not p.requires_grad}
     trainable = {str(p.dtype) for p in model.parameters() if p.requires_grad}
@@ -137,6 +144,7 @@ def main() -> None:
         torch.save(logits, args.out / "logits.pt")
         (args.out / "result.json").write_text(json.dumps({"losses": losses, "gradients": gradients,
                                                            "frozen_dtypes": sorted(frozen),
+                                                           "frozen_with_grads": frozen_with_grads,
                                                            "trainable_dtypes": sorted(trainable)}))
 
 
