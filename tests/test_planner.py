@@ -568,3 +568,183 @@ def test_the_model_key_names_the_planners_presets() -> None:
     from cpctl.config import KEYS
 
     assert KEYS["model"].allowed.startswith(f"a preset ({', '.join(PRESETS)}), ")
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+# A Llama whose q, k/v, o and MLP projections all differ in shape (GQA, head_dim * heads != hidden_size),
+# so that an adapter counted on the wrong side of a projection shows.
+LORA_LLAMA = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 24}
+LLAMA_8B_R16_ADAPTERS = 41_943_040  # peft's print_trainable_parameters for Llama-3.1-8B, r=16, all-linear
+
+
+@pytest.mark.parametrize(("rank", "targets"), [("8", "all-linear"), ("4", "q_proj,v_proj"), ("2", "o_proj,down_proj")])
+def test_lora_adapters_are_the_parameters_peft_trains(rank: str, targets: str) -> None:
+    """peft is the reference: what get_peft_model makes trainable is the planner's adapters, what it
+    freezes is the model's parameters, and their bytes (a bf16 base, fp32 adapters: what get_peft_model
+    makes of a bf16 model) are the plan's parameters on one GPU."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    config = transformers.LlamaConfig(**LORA_LLAMA, dtype="bfloat16")
+    base = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=int(rank), target_modules=(
+        targets if targets == "all-linear" else targets.split(","))))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+
+    shape = planner.model_from_hf_config(config.to_dict(), name="tiny llama")
+    setup = Setup(lora=planner.parse_lora(rank=rank, targets=targets))
+    sizes = planner.Sizes(shape, setup, 1024)
+    assert sizes.adapter_params == sum(p.numel() for p in trained)
+    assert shape.params == sum(p.numel() for p in frozen)
+    assert {p.dtype for p in trained} == {torch.float32} and {p.dtype for p in frozen} == {torch.bfloat16}
+    assert sizes.base_dtype == "bf16"  # the config's dtype, as from_pretrained loads it
+    parameters = planner.estimate(shape, setup, 1024).terms[0]
+    assert parameters.name == "parameters"
+    assert parameters.at["optimizer_step"] == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_lora_counts_the_frozen_base_as_weights_alone() -> None:
+    """The frozen base: its weights in its own dtype, sharded as parameters are, no gradients, no AdamW
+    state, no fp32 master copy; the adapters: fp32 weights, gradients and two AdamW states, even with
+    master_weights keep (peft makes them fp32)."""
+    model = PRESETS["llama-3.1-8b"]
+    gpus = dataclasses.replace(CHUNKED, gpus=8, cp=8)
+
+    def at_step(setup: Setup, shape: planner.ModelShape = model) -> dict[str, float]:
+        return {term.name: term.at["optimizer_step"] for term in planner.estimate(shape, setup, 64 * K).terms}
+
+    lora = dataclasses.replace(gpus, lora=planner.Lora(16, base_dtype="bf16"))
+    assert planner.Sizes(model, lora, 64 * K).adapter_params == LLAMA_8B_R16_ADAPTERS
+    base_shard, adapter_shard = model.params / 8, LLAMA_8B_R16_ADAPTERS / 8
+    counted = at_step(lora)
+    assert counted["parameters"] == 2 * base_shard + 4 * adapter_shard
+    assert counted["gradients"] == 4 * adapter_shard
+    assert counted["optimizer state"] == 3 * 4 * adapter_shard  # two states and the foreach temporary
+    bf16_checkpoint = dataclasses.replace(model, weights_dtype="bf16")  # whose weights keep would train in bf16
+    assert at_step(dataclasses.replace(lora, master_weights="keep"), bf16_checkpoint) == counted
+    fp32_base = at_step(dataclasses.replace(gpus, lora=planner.Lora(16, base_dtype="fp32")))
+    assert fp32_base["parameters"] == 4 * base_shard + 4 * adapter_shard
+    full = at_step(gpus)
+    state = ("parameters", "gradients", "optimizer state")
+    assert sum(full[name] for name in state) == 20 * base_shard
+    assert sum(counted[name] for name in state) < sum(full[name] for name in state) / 9
+    # In the backward: no gradient for the frozen head, none for the frozen blocks
+    backward = {term.name: term.at["mlp_backward"] for term in planner.estimate(model, lora, 64 * K).terms}
+    assert backward["gradients"] == (2 + 4) * LLAMA_8B_R16_ADAPTERS / model.n_layers  # one block's adapters, bf16 + fp32
+
+
+def test_the_frozen_base_dtype_is_the_models_unless_given(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_32_1B))  # torch_dtype bfloat16
+    from_config = planner.load_model(str(tmp_path))
+    unsaid = PRESETS["llama-3.2-1b"]  # a preset names no dtype: fp32, as from_config builds it
+
+    def base_dtype(model, lora) -> str:
+        return planner.Sizes(model, Setup(lora=lora), 1024).base_dtype
+
+    assert base_dtype(from_config, planner.Lora(8)) == "bf16" and base_dtype(unsaid, planner.Lora(8)) == "fp32"
+    assert base_dtype(from_config, planner.Lora(8, base_dtype="fp32")) == "fp32"
+    # mixed_precision no: the activations in the frozen weights' dtype
+    plain = Setup(precision="no")
+    assert planner.Sizes(from_config, dataclasses.replace(plain, lora=planner.Lora(8)), 1024).act == 2
+    assert planner.Sizes(unsaid, dataclasses.replace(plain, lora=planner.Lora(8)), 1024).act == 4
+
+
+def test_lora_keeps_its_own_tensors_for_backward() -> None:
+    """Per token, each adapted projection keeps x @ A (rank values) for lora_B; with lora_dropout, also
+    the dropped-out input lora_A keeps and dropout's 1-byte mask. The frozen base still needs every
+    activation's gradient, so the rest is kept as in full fine-tuning; with checkpointing the adapters'
+    tensors live in the recomputed block only, and the selective level recomputes them."""
+    from cpctl.planner.terms import mlp_working_set, selective_kept_per_token
+
+    model, tokens = PRESETS["llama-3.2-1b"], 8 * K
+
+    def activations(setup: Setup) -> float:
+        term = next(t for t in planner.estimate(model, setup, tokens).terms if t.name == "activations for backward")
+        return term.at["loss"]
+
+    saved = Setup(activation_checkpointing=False)  # every block's saved tensors counted
+    lora, dropout = planner.Lora(16), planner.Lora(16, dropout=0.05)
+    with_lora = activations(dataclasses.replace(saved, lora=lora))
+    assert with_lora - activations(saved) == model.n_layers * tokens * 2 * 16 * 7  # bf16 x @ A on 7 projections
+    inputs = 3 * model.dim + model.q_dim + 2 * model.dim + model.ffn_dim  # q, k, v; o; gate, up; down
+    assert activations(dataclasses.replace(saved, lora=dropout)) - with_lora == model.n_layers * tokens * (2 + 1) * inputs
+    only_q = activations(dataclasses.replace(saved, lora=planner.Lora(16, targets=("q_proj",))))
+    assert only_q - activations(saved) == model.n_layers * tokens * 2 * 16
+
+    checkpointed = Setup(activation_checkpointing=True)
+    assert activations(dataclasses.replace(checkpointed, lora=dropout)) == activations(checkpointed)
+    working = [mlp_working_set(planner.Sizes(model, setup, tokens)).at["mlp_backward"]
+               for setup in (checkpointed, dataclasses.replace(checkpointed, lora=lora))]
+    assert working[1] - working[0] == tokens * 2 * 16 * 3  # gate, up, down
+    selective = dataclasses.replace(checkpointed, checkpoint_level="selective")
+    assert (selective_kept_per_token(planner.Sizes(model, dataclasses.replace(selective, lora=lora), tokens))
+            == selective_kept_per_token(planner.Sizes(model, selective, tokens)))
+
+
+def test_lora_fits_the_8b_shape_on_one_gpu_where_full_fine_tuning_does_not() -> None:
+    """Full fine-tuning of 8B parameters holds 20 bytes each on one GPU (fp32 weights, gradients, two
+    AdamW states, the step's temporary): 150 GiB, no length fits 141. LoRA with a bf16 base holds 2."""
+    model = PRESETS["llama-3.1-8b"]
+    lora = dataclasses.replace(CHUNKED, lora=planner.Lora(16, base_dtype="bf16"))
+    assert planner.longest_fitting(model, CHUNKED) == 0
+    longest = planner.longest_fitting(model, lora)
+    assert 200 * K < longest < 240 * K  # 218k (docs/cli.md)
+    plan = planner.make_plan(model, lora, 32 * K)
+    assert plan.longest[0] == (1, longest, None)  # the table's one-GPU row, with LoRA
+    assert plan.lora_to_dict() == {"rank": 16, "targets": list(planner.PROJECTIONS), "dropout": 0.0,
+                                   "base_dtype": "bf16", "adapter_params": LLAMA_8B_R16_ADAPTERS}
+
+
+LORA_8B = ("plan", "--model", "llama-3.1-8b", "--seq-len", "32k", "--nproc-per-node", "1",
+           "--activation-checkpointing", "true")
+
+
+@pytest.mark.usefixtures("isolated")
+def test_plan_with_lora_prints_the_adapters_and_the_frozen_base(tmp_path: Path) -> None:
+    result = cpctl(*LORA_8B, "--chunked-loss", "--lora-rank", "16", "--base-dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    out = " ".join(result.stdout.split())
+    assert ("LoRA: 41.9M adapter parameters trained in fp32 (0.52% of the model), rank 16 on 7 projections x 32 "
+            "blocks; the base frozen in bf16 (--base-dtype)") in out
+    assert "LoRA r 16 on all-linear" in out and "frozen base bf16 (8.03B) + fp32 adapters (41.9M)" in out
+    longest = planner.longest_fitting(PRESETS["llama-3.1-8b"], dataclasses.replace(
+        CHUNKED, lora=planner.Lora(16, base_dtype="bf16")))
+    row = next(line for line in result.stdout.splitlines() if line.strip().startswith("these options"))
+    assert row.split("│")[1].strip() == planner.format_tokens(longest)
+
+    lora, full = (json.loads(cpctl(*LORA_8B, *extra, "--json").stdout)
+                  for extra in (("--lora-rank", "16", "--base-dtype", "bf16"), ()))
+    assert lora["lora"]["adapter_params"] == LLAMA_8B_R16_ADAPTERS and full["lora"] is None
+    assert lora["estimate"]["setup"]["lora"]["rank"] == 16
+    assert lora["estimate"]["peak_gib"] < full["estimate"]["peak_gib"]
+    assert lora["longest"][0]["seq_len"] > 0 == full["longest"][0]["seq_len"]
+    targeted = json.loads(cpctl(*LORA_8B, "--lora-rank", "8", "--lora-targets", "v_proj, q_proj", "--json").stdout)
+    assert targeted["lora"]["targets"] == ["q_proj", "v_proj"] and targeted["lora"]["base_dtype"] == "fp32"
+    assert targeted["lora"]["adapter_params"] == 32 * 8 * (4096 + 4096 + 4096 + 1024)
+    unsaid = CliRunner().invoke(app, [*LORA_8B, "--lora-rank", "8"], env={"COLUMNS": "80"}).stdout
+    assert max(map(len, unsaid.splitlines())) <= 80
+    assert ("the base frozen in fp32 (the model names no dtype, as from_config builds it; --base-dtype bf16"
+            in " ".join(unsaid.split()))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_32_1B))  # torch_dtype bfloat16
+    said = cpctl("plan", "--model", str(tmp_path), "--seq-len", "32k", "--lora-rank", "16")
+    assert said.exit_code == 0, said.output
+    assert "the base frozen in bf16 (the model's config.json)" in " ".join(said.stdout.split())
+
+
+@pytest.mark.usefixtures("isolated")
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["--lora-rank", "0"], ["--lora-rank 0: must be at least 1"]),
+    (["--lora-rank", "-4"], ["--lora-rank -4: must be at least 1"]),
+    (["--lora-rank", "2.5"], ["--lora-rank 2.5: not an integer"]),
+    (["--lora-rank", "16", "--base-dtype", "fp8"], ["--base-dtype fp8: not a dtype", "bf16, fp16, fp32"]),
+    (["--lora-rank", "16", "--lora-targets", "lm_head"], ["--lora-targets lm_head: no projection lm_head",
+                                                          "all-linear", "q_proj,k_proj"]),
+    (["--lora-rank", "16", "--lora-dropout", "1"], ["--lora-dropout 1: a probability below 1"]),
+    (["--base-dtype", "bf16"], ["--base-dtype is a LoRA option: pass --lora-rank R"]),
+    (["--lora-rank", "16", "--tp-size", "2", "--nproc-per-node", "2"], ["pass --tp-size 1"]),
+])
+def test_bad_lora_flags_are_one_line(args: list[str], fragments: list[str]) -> None:
+    one_line_error(cpctl("plan", "--model", "llama-3.1-8b", "--seq-len", "32k", *args), *fragments)

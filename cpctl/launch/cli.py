@@ -427,6 +427,19 @@ def plan(
         metavar="GIB", show_default=False, rich_help_panel=_PLAN)] = None,
     batch: Annotated[str, typer.Option(
         "--batch", help="Sequences per step on each CP group.", metavar="N", rich_help_panel=_PLAN)] = "1",
+    lora_rank: Annotated[str | None, typer.Option(
+        "--lora-rank", help="LoRA (peft) of this rank: the base frozen, adapters trained (default: full fine-tuning).",
+        metavar="R", show_default=False, rich_help_panel=_PLAN)] = None,
+    lora_targets: Annotated[str | None, typer.Option(
+        "--lora-targets", help="The projections with adapters, as peft's target_modules: all-linear (default: every "
+        "projection of attention and the MLP, not the LM head) or a list such as q_proj,v_proj.",
+        metavar="NAMES", show_default=False, rich_help_panel=_PLAN)] = None,
+    lora_dropout: Annotated[str | None, typer.Option(
+        "--lora-dropout", help="peft's lora_dropout (default 0); above 0 each adapter keeps its dropped input and mask.",
+        metavar="P", show_default=False, rich_help_panel=_PLAN)] = None,
+    base_dtype: Annotated[str | None, typer.Option(
+        "--base-dtype", help="The frozen base's dtype under LoRA: bf16, fp16 or fp32 (default: the config.json's "
+        "dtype, fp32 if it names none).", metavar="DTYPE", show_default=False, rich_help_panel=_PLAN)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.", rich_help_panel=_PLAN, **SWITCH)] = False,
     config: ConfigOption = None,
     profile: ProfileOption = None,
@@ -451,8 +464,10 @@ def plan(
         else:  # --gpus plans other machines, whose host memory this one does not know
             host = machine_host_memory_gib() if world is None else None
         sequences = int(planner.parse_number(batch, what="--batch", integer=True))
+        lora = planner.parse_lora(rank=lora_rank, targets=lora_targets, dropout=lora_dropout, base_dtype=base_dtype)
         resolved = planner.resolve_setup(flags=flags, config=config, profile_name=profile, gpus=world,
-                                         chunked_loss=chunked_loss, logits_kept=not model_loss, batch=sequences)
+                                         chunked_loss=chunked_loss, logits_kept=not model_loss, batch=sequences,
+                                         lora=lora)
         if resolved.model is None:
             raise CpctlError(f"--model is required: a preset ({', '.join(planner.PRESETS)}) or a Hugging Face "
                              "config.json (or model: in the profile)")

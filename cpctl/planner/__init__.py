@@ -24,16 +24,20 @@ bf16 while it runs, the root's embeddings and head gathered for the whole step),
 checkpointing per block, AdamW, `optimizer.zero_grad(set_to_none=True)`, and the loss as
 `F.cross_entropy(logits.float(), ...)` with `logits` held by the loop until backward ends
 (or `model(labels=...).loss`, which holds them not), or a chunked loss (`rt.causal_lm_loss`).
+With LoRA (`Setup.lora`, peft's adapters) the base is frozen in its own dtype: its weights are
+sharded as parameters are but have no gradients, AdamW state or fp32 master copy; the fp32
+adapters have all three, and add their own saved tensors to the activations, which the frozen
+base still needs for the activations' gradients.
 Calibration (tests/test_planner.py, docs/cli.md): the sum of the terms matches
 torch.cuda.max_memory_allocated of 26 measured H200 runs, with and without the memory options,
 within 2% (one within 5%).
 What torch's peak does not count is added last: a fixed CUDA/NCCL overhead and the
 allocator's headroom (memory it holds in blocks it cannot reuse).
 
-The modules, in the order they build on each other: `units` (GiB, token lengths), `shapes`
-(the model), `setup` (the profile's layout and memory options), `terms` (the memory, term by
-term), `fit` (whether it fits, how long a sequence does), `advice` (what to turn on), `plan`
-(everything `cpctl plan` prints).
+The modules, in the order they build on each other: `units` (GiB, dtype sizes, token lengths),
+`shapes` (the model), `setup` (the profile's layout and memory options, LoRA), `terms` (the
+memory, term by term), `fit` (whether it fits, how long a sequence does), `advice` (what to turn
+on), `plan` (everything `cpctl plan` prints).
 """
 
 from cpctl.planner.advice import Suggestion, option_names, suggestions
@@ -51,15 +55,25 @@ from cpctl.planner.fit import (
     peak_gib,
 )
 from cpctl.planner.plan import GPU_COUNTS, Plan, all_free_options, make_plan
-from cpctl.planner.setup import MEMORY_OPTIONS, ResolvedSetup, Setup, available_options, resolve_setup
-from cpctl.planner.shapes import PRESETS, ModelShape, load_model, model_from_hf_config
+from cpctl.planner.setup import (
+    ALL_LINEAR,
+    MEMORY_OPTIONS,
+    Lora,
+    ResolvedSetup,
+    Setup,
+    available_options,
+    parse_lora,
+    resolve_setup,
+)
+from cpctl.planner.shapes import PRESETS, PROJECTIONS, ModelShape, load_model, model_from_hf_config
 from cpctl.planner.terms import BLOCK_MOMENTS, FP32, MOMENTS, TERMS, Sizes, Term, host_memory
-from cpctl.planner.units import GiB, format_tokens, parse_number, parse_tokens
+from cpctl.planner.units import DTYPE_BYTES, GiB, format_tokens, parse_dtype, parse_number, parse_tokens
 
 __all__ = [
-    "ALLOCATOR_HEADROOM", "BLOCK_MOMENTS", "CUDA_OVERHEAD_GIB", "DEFAULT_GPU_MEMORY_GIB", "FP32", "GPU_COUNTS", "GiB",
-    "MAX_GPUS", "MAX_TOKENS", "MEMORY_OPTIONS", "MOMENTS", "PRESETS", "TERMS", "WORKER_HOST_GIB", "Estimate", "ModelShape", "Plan",
-    "ResolvedSetup", "Setup", "Sizes", "Suggestion", "Term", "all_free_options", "available_options", "estimate",
-    "format_tokens", "gpus_needed", "host_memory", "load_model", "longest_fitting", "make_plan", "model_from_hf_config",
-    "option_names", "parse_number", "parse_tokens", "peak_gib", "resolve_setup", "suggestions",
+    "ALLOCATOR_HEADROOM", "ALL_LINEAR", "BLOCK_MOMENTS", "CUDA_OVERHEAD_GIB", "DEFAULT_GPU_MEMORY_GIB", "DTYPE_BYTES", "FP32",
+    "GPU_COUNTS", "GiB", "MAX_GPUS", "MAX_TOKENS", "MEMORY_OPTIONS", "MOMENTS", "PRESETS", "PROJECTIONS", "TERMS",
+    "WORKER_HOST_GIB", "Estimate", "Lora", "ModelShape", "Plan", "ResolvedSetup", "Setup", "Sizes", "Suggestion", "Term",
+    "all_free_options", "available_options", "estimate", "format_tokens", "gpus_needed", "host_memory", "load_model",
+    "longest_fitting", "make_plan", "model_from_hf_config", "option_names", "parse_dtype", "parse_lora", "parse_number",
+    "parse_tokens", "peak_gib", "resolve_setup", "suggestions",
 ]

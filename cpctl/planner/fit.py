@@ -121,6 +121,8 @@ def estimate(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: f
     blocks that fit (`estimate(...).setup.selective_blocks` is the count chosen)."""
     if seq_len < 1:
         raise CpctlError(f"sequence length must be at least 1 token, got {seq_len}")
+    if setup.lora is not None and setup.tp > 1:  # how peft's adapters split under TP is not modelled
+        raise CpctlError(f"cpctl plan counts LoRA without tensor parallelism: pass --tp-size 1 (not {setup.tp})")
     if setup.activation_checkpointing and setup.checkpoint_level == "mixed" and setup.selective_blocks is None:
         return most_selective_blocks(model, setup, seq_len, gpu_memory_gib=gpu_memory_gib,
                                      host_memory_gib=host_memory_gib)

@@ -20,6 +20,7 @@ from cpctl.planner.fit import (
 from cpctl.planner.layouts import Layout, choose_layout
 from cpctl.planner.setup import Setup
 from cpctl.planner.shapes import ModelShape
+from cpctl.planner.terms import Sizes
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32)  # the rows of "longest sequence that fits"
 
@@ -53,8 +54,18 @@ class Plan:
                 "gpus": self.needed_sp.setup.gpus, "sp": self.needed_sp.setup.sp, "cp": self.needed_sp.setup.cp},
             "gpus_needed_all_options": None if self.needed_all is None else self.needed_all.setup.gpus,
             "all_options": self.all_options,
+            "lora": self.lora_to_dict(),
             "calibration": {"cuda_overhead_gib": CUDA_OVERHEAD_GIB, "allocator_headroom": ALLOCATOR_HEADROOM},
         }
+
+    def lora_to_dict(self) -> dict[str, Any] | None:
+        """LoRA's resolved facts (None for full fine-tuning): the base's dtype as counted, the adapters' size."""
+        lora = self.estimate.setup.lora
+        if lora is None:
+            return None
+        sizes = Sizes(self.model, self.estimate.setup, self.estimate.seq_len)
+        return {"rank": lora.rank, "targets": list(lora.targets), "dropout": lora.dropout,
+                "base_dtype": sizes.base_dtype, "adapter_params": sizes.adapter_params}
 
 
 def all_free_options(setup: Setup) -> dict[str, Any]:

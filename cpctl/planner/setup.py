@@ -10,6 +10,58 @@ from pathlib import Path
 from typing import Any
 
 from cpctl.errors import CpctlError
+from cpctl.planner.shapes import PROJECTIONS, ModelShape
+from cpctl.planner.units import parse_dtype, parse_number
+
+ALL_LINEAR = "all-linear"  # peft's target_modules for every linear projection of the blocks, the LM head excluded
+
+
+@dataclass(frozen=True)
+class Lora:
+    """LoRA fine-tuning as peft's LoraConfig makes it: the base frozen, and on each targeted projection
+    of every block two trained adapters, A (rank x in_features) and B (out_features x rank)."""
+
+    rank: int
+    targets: tuple[str, ...] = PROJECTIONS  # names of ModelShape.projections; all of them is peft's all-linear
+    dropout: float = 0.0  # peft's lora_dropout
+    base_dtype: str | None = None  # the frozen weights' dtype; None: the model's own (config.json's dtype)
+
+    def params_per_layer(self, model: ModelShape) -> int:
+        """The adapters' parameters in one block: what peft's get_peft_model makes trainable there."""
+        return sum(self.rank * (inputs + outputs) for name, (inputs, outputs) in model.projections.items()
+                   if name in self.targets)
+
+    def describe(self) -> str:
+        targets = ALL_LINEAR if self.targets == PROJECTIONS else ",".join(self.targets)
+        return f"LoRA r {self.rank} on {targets}" + (f", dropout {self.dropout:g}" if self.dropout else "")
+
+
+def parse_lora(*, rank: str | None, targets: str | None = None, dropout: str | None = None,
+               base_dtype: str | None = None) -> Lora | None:
+    """`cpctl plan`'s LoRA flags as a Lora; None without --lora-rank (full fine-tuning)."""
+    if rank is None:
+        given = [flag for flag, value in (("--lora-targets", targets), ("--lora-dropout", dropout),
+                                          ("--base-dtype", base_dtype)) if value is not None]
+        if given:
+            raise CpctlError(f"{given[0]} is a LoRA option: pass --lora-rank R too (without it every parameter "
+                             "is trained)")
+        return None
+    chosen = PROJECTIONS
+    if targets is not None and targets.strip() != ALL_LINEAR:
+        names = [name.strip() for name in targets.split(",") if name.strip()]
+        unknown = [name for name in names if name not in PROJECTIONS]
+        if unknown or not names:
+            missing = f"no projection {unknown[0]}" if unknown else "no projection named"
+            raise CpctlError(f"--lora-targets {targets}: {missing}; write {ALL_LINEAR} or some of "
+                             f"{','.join(PROJECTIONS)} (peft's target_modules names)")
+        chosen = tuple(name for name in PROJECTIONS if name in names)
+    probability = 0.0
+    if dropout is not None:
+        probability = parse_number(dropout, what="--lora-dropout", minimum=0)
+        if probability >= 1:
+            raise CpctlError(f"--lora-dropout {dropout}: a probability below 1 (peft's lora_dropout), e.g. 0.05")
+    return Lora(rank=int(parse_number(rank, what="--lora-rank", integer=True)), targets=chosen, dropout=probability,
+                base_dtype=None if base_dtype is None else parse_dtype(base_dtype, what="--base-dtype"))
 
 
 @dataclass(frozen=True)
@@ -38,6 +90,7 @@ class Setup:
     batch: int = 1  # sequences per CP group in one step
     logits_kept: bool = True  # the loop holds the logits until backward ends (not with model(labels=...).loss)
     first_step: bool = False  # AdamW's state does not exist until the first optimizer step
+    lora: Lora | None = None  # None: full fine-tuning, every parameter trained
 
     @classmethod
     def from_profile(cls, profile: Any, *, chunked_loss: bool = False, batch: int = 1) -> Setup:
@@ -99,6 +152,8 @@ class Setup:
             options.append("activations offloaded")
         if self.cpu_offload:
             options.append("parameters and optimizer on CPU")
+        if self.lora is not None:
+            options.append(self.lora.describe())
         return ", ".join(options)
 
     def _checkpointing(self) -> str:
@@ -138,7 +193,8 @@ class ResolvedSetup:
 
 def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None, profile_name: str | None = None,
                   gpus: int | None = None, chunked_loss: bool = False, logits_kept: bool = True, batch: int = 1,
-                  environ: Mapping[str, str] | None = None, cwd: str | Path | None = None) -> ResolvedSetup:
+                  lora: Lora | None = None, environ: Mapping[str, str] | None = None,
+                  cwd: str | Path | None = None) -> ResolvedSetup:
     """The profile `cpctl check --static` would validate (a cuda profile as on its own node, so a
     GPU plan works on a laptop); `device: auto` is taken as cuda. `--gpus N` makes the world N
     GPUs, all of them CP unless --cp-size is given (dp_replicate and tp as the profile says)."""
@@ -174,6 +230,6 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
             extra["parallelism.dp_shard_size"] = AUTO
     shown = preview(flags={**flags, **extra}, config=config, profile_name=profile_name, environ=environ, cwd=cwd)
     setup = dataclasses.replace(Setup.from_profile(shown.resolved.profile, chunked_loss=chunked_loss, batch=batch),
-                                logits_kept=logits_kept)
+                                logits_kept=logits_kept, lora=lora)
     return ResolvedSetup(setup, shown.target, note, model=shown.resolved.profile.model,
                          split=shown.resolved.auto_reason("parallelism.sp_size"))

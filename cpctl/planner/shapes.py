@@ -11,6 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from cpctl.errors import CpctlError
+from cpctl.planner.units import TORCH_DTYPE_NAMES
+
+# A block's linear projections, by the names transformers' Llama gives them (and peft's
+# target_modules takes); the first four are attention's, the others the MLP's.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+ATTENTION_PROJECTIONS, MLP_PROJECTIONS = PROJECTIONS[:4], PROJECTIONS[4:]
 
 
 @dataclass(frozen=True)
@@ -38,9 +44,16 @@ class ModelShape:
         return self.n_kv_heads * self.head_dim
 
     @property
+    def projections(self) -> dict[str, tuple[int, int]]:
+        """A block's PROJECTIONS: (in_features, out_features) of each."""
+        shapes = ((self.dim, self.q_dim), (self.dim, self.kv_dim), (self.dim, self.kv_dim), (self.q_dim, self.dim),
+                  (self.dim, self.ffn_dim), (self.dim, self.ffn_dim), (self.ffn_dim, self.dim))
+        return dict(zip(PROJECTIONS, shapes, strict=True))
+
+    @property
     def block_params(self) -> int:
-        attention = self.dim * self.q_dim + 2 * self.dim * self.kv_dim + self.q_dim * self.dim
-        return attention + 3 * self.dim * self.ffn_dim + 2 * self.dim  # + the two norms
+        projections = sum(inputs * outputs for inputs, outputs in self.projections.values())
+        return projections + 2 * self.dim  # + the two norms
 
     @property
     def root_params(self) -> int:
@@ -71,7 +84,6 @@ PRESETS: dict[str, ModelShape] = {
     "llama-3.1-8b": _llama("llama-3.1-8b", vocab=128256, dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336),
 }
 
-_HF_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # config.json's dtype names
 _HF_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
 
 
@@ -145,5 +157,5 @@ def model_from_hf_config(config: Mapping[str, Any], *, name: str) -> ModelShape:
         ffn_dim=positive("intermediate_size"), head_dim=positive("head_dim", dim // heads),
         tied_embeddings=bool(config.get("tie_word_embeddings", False)), notes=tuple(notes),
         # transformers 5 writes `dtype`, earlier releases `torch_dtype`: what from_pretrained and from_config build in
-        weights_dtype=_HF_DTYPES.get(str(config.get("dtype") or config.get("torch_dtype")).removeprefix("torch.")),
+        weights_dtype=TORCH_DTYPE_NAMES.get(str(config.get("dtype") or config.get("torch_dtype")).removeprefix("torch.")),
     )

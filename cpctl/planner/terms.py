@@ -8,9 +8,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from cpctl.planner.setup import Setup
-from cpctl.planner.shapes import ModelShape
+from cpctl.planner.shapes import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, ModelShape
+from cpctl.planner.units import DTYPE_BYTES
 
-FP32 = 4  # bytes
+FP32 = DTYPE_BYTES["fp32"]
+DROPOUT_MASK = 1  # bytes per element of dropout's saved mask (bool)
 MOMENTS = ("loss", "mlp_backward", "attention_backward", "last_block_backward", "optimizer_step")
 BLOCK_MOMENTS = ("mlp_backward", "attention_backward", "last_block_backward")
 
@@ -33,18 +35,27 @@ class Sizes:
 
     @property
     def master(self) -> int:
-        """Bytes of a master weight, of its sharded gradient and of each AdamW state: fp32 (the
-        runtime upcasts low-precision weights), or the model's own bf16/fp16 with master_weights keep."""
+        """Bytes of a trained weight, of its sharded gradient and of each AdamW state: fp32 (the
+        runtime upcasts low-precision weights), or the model's own bf16/fp16 with master_weights keep.
+        LoRA's adapters are fp32 either way: peft's get_peft_model makes them so (autocast_adapter_dtype)."""
         kept = self.setup.master_weights == "keep" and self.model.weights_dtype in ("bf16", "fp16")
-        return 2 if kept else FP32
+        return DTYPE_BYTES[self.model.weights_dtype] if kept and self.setup.lora is None else FP32
 
     @property
     def master_dtype(self) -> str:
         return self.model.weights_dtype if self.master != FP32 else "fp32"
 
     @property
-    def act(self) -> int:  # bytes of an activation (and of a gathered parameter)
-        return FP32 if self.setup.precision == "no" and self.master == FP32 else 2
+    def base_dtype(self) -> str:
+        """The frozen base's dtype under LoRA (the runtime keeps frozen weights as they arrive): --base-dtype,
+        else the model's own (config.json's, what from_pretrained loads), else fp32 (what from_config builds)."""
+        chosen = self.setup.lora.base_dtype if self.setup.lora is not None else None
+        return chosen or self.model.weights_dtype or "fp32"
+
+    @property
+    def act(self) -> int:  # bytes of an activation (and of a gathered parameter); under mixed_precision no, the weights'
+        weights = DTYPE_BYTES[self.base_dtype] if self.setup.lora is not None else self.master
+        return FP32 if self.setup.precision == "no" and weights == FP32 else 2
 
     @property
     def dtype(self) -> str:
@@ -65,8 +76,28 @@ class Sizes:
         return (model.n_layers * model.block_params / self.setup.tp + model.root_params) / self.shards
 
     @property
-    def block_params_per_gpu(self) -> float:  # one block, gathered
-        return self.model.block_params / self.setup.tp
+    def block_params_per_gpu(self) -> float:  # one block, gathered (with its adapters)
+        return (self.model.block_params + self.block_adapter_params) / self.setup.tp
+
+    @property
+    def block_adapter_params(self) -> int:  # LoRA's adapters in one block (0: full fine-tuning)
+        return 0 if self.setup.lora is None else self.setup.lora.params_per_layer(self.model)
+
+    @property
+    def adapter_params(self) -> int:  # LoRA's adapters in the model: what peft's get_peft_model makes trainable
+        return self.model.n_layers * self.block_adapter_params
+
+    @property
+    def trained_params_per_gpu(self) -> float:  # what has gradients and AdamW state: LoRA's adapters, else everything
+        return self.params_per_gpu if self.setup.lora is None else self.adapter_params / self.setup.tp / self.shards
+
+    @property
+    def trained_block_params_per_gpu(self) -> float:  # one block's, gathered
+        return (self.model.block_params if self.setup.lora is None else self.block_adapter_params) / self.setup.tp
+
+    @property
+    def frozen_params_per_gpu(self) -> float:  # LoRA's base: its weights alone, in base_dtype (no gradient, no state)
+        return 0.0 if self.setup.lora is None else self.params_per_gpu
 
 
 @dataclass(frozen=True)
@@ -86,11 +117,16 @@ def _at(loss: float = 0, mlp: float | None = None, attention: float | None = Non
 
 
 def parameters(z: Sizes) -> Term:
-    """Master weights (fp32 unless kept in the model's dtype), sharded by FSDP."""
+    """Master weights (fp32 unless kept in the model's dtype), sharded by FSDP. Under LoRA the frozen
+    base in its own dtype and the fp32 adapters, both sharded."""
+    what = z.master_dtype
+    if z.setup.lora is not None:
+        what = (f"frozen base {z.base_dtype} ({z.model.params / 1e9:.2f}B) + fp32 adapters "
+                f"({z.adapter_params / 1e6:.1f}M)")
     if z.setup.cpu_offload:
-        return Term("parameters", _at(0), f"{z.master_dtype}, on CPU (cpu_offload)")
-    held = z.master * z.params_per_gpu
-    return Term("parameters", _at(held, step=held), f"{z.master_dtype}, sharded over {z.shards} (dp_shard x cp)")
+        return Term("parameters", _at(0), f"{what}, on CPU (cpu_offload)")
+    held = DTYPE_BYTES[z.base_dtype] * z.frozen_params_per_gpu + z.master * z.trained_params_per_gpu
+    return Term("parameters", _at(held, step=held), f"{what}, sharded over {z.shards} (dp_shard x cp)")
 
 
 def gathered_parameters(z: Sizes) -> Term:
@@ -109,13 +145,16 @@ def gradients(z: Sizes) -> Term:
     """None at the loss (zero_grad(set_to_none=True)); in a block's backward the head's gradient
     (kept gathered until backward ends), the block's own and its fp32 reduce-scatter input (under
     mixed precision), and in the last block the sharded gradients (the master weights' dtype) of
-    all the others; all of them at the step."""
-    head = z.act * z.model.vocab_size * z.model.dim
-    block = z.act * z.block_params_per_gpu + (FP32 * z.block_params_per_gpu if z.setup.precision != "no" else 0)
-    done = 0 if z.setup.cpu_offload else (z.model.n_layers - 1) * z.master * z.block_params_per_gpu / z.shards
-    sharded = 0 if z.setup.cpu_offload else z.master * z.params_per_gpu
-    return Term("gradients", _at(0, mlp=head + block, last=head + block + done, step=sharded),
-                f"head's + a block's in backward, + the other blocks' {z.master_dtype} shards at the last; all at the step")
+    all the others; all of them at the step. Under LoRA only the adapters have gradients."""
+    head = 0 if z.setup.lora is not None else z.act * z.model.vocab_size * z.model.dim  # a frozen head has none
+    trained = z.trained_block_params_per_gpu
+    block = z.act * trained + (FP32 * trained if z.setup.precision != "no" else 0)
+    done = 0 if z.setup.cpu_offload else (z.model.n_layers - 1) * z.master * trained / z.shards
+    sharded = 0 if z.setup.cpu_offload else z.master * z.trained_params_per_gpu
+    how = f"head's + a block's in backward, + the other blocks' {z.master_dtype} shards at the last; all at the step"
+    if z.setup.lora is not None:
+        how = "the adapters' only (the base is frozen): " + how.removeprefix("head's + ")
+    return Term("gradients", _at(0, mlp=head + block, last=head + block + done, step=sharded), how)
 
 
 def optimizer_state(z: Sizes) -> Term:
@@ -123,9 +162,11 @@ def optimizer_state(z: Sizes) -> Term:
     one more temporary."""
     if z.setup.cpu_offload:
         return Term("optimizer state", _at(0), "AdamW, on CPU (cpu_offload)")
-    state = 2 * z.master * z.params_per_gpu
-    return Term("optimizer state", _at(0 if z.setup.first_step else state, step=state + z.master * z.params_per_gpu),
-                f"AdamW, 2 {z.master_dtype} states; +1 temporary at the step")
+    state = 2 * z.master * z.trained_params_per_gpu
+    temporary = z.master * z.trained_params_per_gpu
+    return Term("optimizer state", _at(0 if z.setup.first_step else state, step=state + temporary),
+                f"AdamW, 2 {z.master_dtype} states{' of the adapters' if z.setup.lora is not None else ''}; "
+                "+1 temporary at the step")
 
 
 def _norm_saved(z: Sizes) -> float:
@@ -141,10 +182,28 @@ def _block_norm_saved(z: Sizes) -> float:
 
 def attention_saved_per_token(z: Sizes) -> float:
     """Per token, what the attention half of a block keeps for backward: its norm, q/k/v after
-    rotary, the output, and the fp32 log-sum-exp per head (TP splits the heads)."""
+    rotary, the output, and the fp32 log-sum-exp per head (TP splits the heads), and its adapters'."""
+    return _block_norm_saved(z) + attention_kernel_saved_per_token(z) + lora_saved_per_token(z, ATTENTION_PROJECTIONS)
+
+
+def attention_kernel_saved_per_token(z: Sizes) -> float:
+    """Per token, what attention itself keeps: q/k/v after rotary, the output, the fp32 log-sum-exp."""
     model, tp = z.model, z.setup.tp
-    return (_block_norm_saved(z) + z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.n_heads / tp
-            + ulysses_saved_per_token(z))
+    return z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.n_heads / tp + ulysses_saved_per_token(z)
+
+
+def lora_saved_per_token(z: Sizes, projections: tuple[str, ...]) -> float:
+    """Per token, what LoRA's adapters on these projections keep for backward beyond the block's own:
+    lora_B keeps x @ A (rank values); lora_A keeps x, the projection's own input, counted with the block
+    (as in full fine-tuning). With lora_dropout > 0, lora_A keeps the dropped-out copy of x instead, and
+    dropout its bool mask. The adapters compute in the activations' dtype (FSDP's mixed precision
+    gathers them in it)."""
+    lora = z.setup.lora
+    if lora is None:
+        return 0.0
+    adapted = [name for name in projections if name in lora.targets]
+    dropout = sum((z.act + DROPOUT_MASK) * z.model.projections[name][0] for name in adapted) if lora.dropout else 0
+    return z.act * lora.rank * len(adapted) + dropout
 
 
 def ulysses_saved_per_token(z: Sizes) -> float:
@@ -177,14 +236,15 @@ def _head_layout_qkv(z: Sizes) -> float:
 
 
 def mlp_saved_per_token(z: Sizes) -> float:
-    """Per token, what the MLP half keeps: its norm and gate, up, silu(gate), silu(gate) * up."""
-    return _block_norm_saved(z) + 4 * z.act * z.model.ffn_dim / z.setup.tp * _tile_share(z, z.setup.tiled_mlp_tokens)
+    """Per token, what the MLP half keeps: its norm and gate, up, silu(gate), silu(gate) * up, and its adapters'."""
+    mlp = 4 * z.act * z.model.ffn_dim / z.setup.tp + lora_saved_per_token(z, MLP_PROJECTIONS)
+    return _block_norm_saved(z) + mlp * _tile_share(z, z.setup.tiled_mlp_tokens)
 
 
 def selective_kept_per_token(z: Sizes) -> float:
     """Per token, what one block at the selective level keeps beyond its input: attention's saved
-    tensors (q, k, v, out, log-sum-exp); its norm is recomputed."""
-    return attention_saved_per_token(z) - _block_norm_saved(z)
+    tensors (q, k, v, out, log-sum-exp); its norm and projections (adapters too) are recomputed."""
+    return attention_kernel_saved_per_token(z)
 
 
 def selective_layers(z: Sizes) -> int:
@@ -366,8 +426,8 @@ def host_memory(z: Sizes) -> float:
     host = 0.0
     if z.setup.offload_activations and z.setup.activation_checkpointing:
         host += offloaded_per_token(z) * z.local_tokens
-    if z.setup.cpu_offload:
-        host += 4 * z.master * z.params_per_gpu
+    if z.setup.cpu_offload:  # trained weights with their gradients and two AdamW states; a frozen base alone
+        host += 4 * z.master * z.trained_params_per_gpu + DTYPE_BYTES[z.base_dtype] * z.frozen_params_per_gpu
     return host
 
 

@@ -1,5 +1,5 @@
-"""Sizes and lengths as `cpctl plan` reads and prints them: GiB, token counts (4096, 128k, 1M),
-numbers given on the command line."""
+"""Sizes and lengths as `cpctl plan` reads and prints them: GiB, bytes per element of each dtype,
+token counts (4096, 128k, 1M), numbers given on the command line."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import re
 from cpctl.errors import CpctlError
 
 GiB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}  # the dtypes a model's weights come in, by the names cpctl uses
+TORCH_DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}  # as torch and config.json name them
 
 _LENGTH = re.compile(r"(\d+(?:\.\d+)?)([kKmM]?)")
 
@@ -42,3 +44,12 @@ def parse_number(text: str, *, what: str, integer: bool = False, minimum: float 
     if not value >= minimum or math.isinf(value):
         raise CpctlError(f"{what} {text}: must be at least {minimum:g}")
     return value
+
+
+def parse_dtype(text: str, *, what: str) -> str:
+    """bf16, fp16 or fp32 (also as torch names them: bfloat16, float16, float32)."""
+    name = str(text).strip().lower().removeprefix("torch.")
+    name = TORCH_DTYPE_NAMES.get(name, name)
+    if name not in DTYPE_BYTES:
+        raise CpctlError(f"{what} {text}: not a dtype of model weights; write {', '.join(sorted(DTYPE_BYTES))}")
+    return name
