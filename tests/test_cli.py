@@ -332,8 +332,11 @@ def test_dry_run_says_which_blocks_the_mixed_level_makes_selective(script: Path)
     assert "Checkpointing: selective for the last 3 blocks, full for the rest." in pinned.stdout
 
 
-@pytest.mark.parametrize(("node_rank", "hosts"), [("1", "false"), ("0", "true")])
-def test_dry_run_multi_node(script: Path, node_rank: str, hosts: str) -> None:
+@pytest.mark.parametrize(("node_rank", "hosts", "ranks"), [
+    ("1", "false", "ranks 2-3; global rank 0 (it writes checkpoints, saved models and logs) runs on node rank 0."),
+    ("0", "true", "ranks 0-1; global rank 0 (it writes checkpoints, saved models and logs) runs here."),
+])
+def test_dry_run_multi_node(script: Path, node_rank: str, hosts: str, ranks: str) -> None:
     # torchrun ignores --node-rank under c10d; node_rank 0 hosts the rendezvous store (c10d's is_host)
     result = cpctl("launch", "--dry-run", "--device", "cpu", "--nnodes", "2", "--node-rank", node_rank,
                    "--rdzv-endpoint", "10.0.0.1:29400", "--nproc-per-node", "2", "--cp-size", "4", "train.py")
@@ -341,6 +344,10 @@ def test_dry_run_multi_node(script: Path, node_rank: str, hosts: str) -> None:
     assert ("torchrun --nnodes=2 --nproc-per-node=2 --max-restarts=0 --rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 "
             f"--rdzv-conf=is_host={hosts} --tee=3 -- train.py") in result.stdout
     assert "--standalone" not in result.stdout and "--node-rank" not in result.stdout.split("torchrun")[-1]
+    # which machine runs which ranks, and that plain torchrun would not place them so
+    shown = " ".join(result.stdout.split())
+    assert f"this one, node rank {node_rank}, runs {ranks}" in shown
+    assert "plain torchrun's c10d ignores --node-rank and sorts the machines by host name" in shown
 
 
 def test_a_default_node_rank_leaves_the_store_host_to_c10d(script: Path) -> None:
@@ -349,6 +356,9 @@ def test_a_default_node_rank_leaves_the_store_host_to_c10d(script: Path) -> None
                    "--nproc-per-node", "2", "--cp-size", "4", "train.py")
     assert result.exit_code == 0, result.output
     assert ("--rdzv-backend=c10d --rdzv-endpoint=10.0.0.1:29400 --tee=3 -- train.py") in result.stdout
+    # nor which ranks it runs: the dry run says so, and how to decide
+    assert ("this machine was given no node rank of its own (--node-rank, CPCTL_NODE_RANK, SLURM), so it takes a "
+            "place no machine was given") in " ".join(result.stdout.split())
 
 
 SHARED_TWO_NODES = "version: 1\nlaunch:\n  device: cpu\n  nnodes: 2\n  nproc_per_node: 2\n  node_rank: 0\n" \
@@ -501,7 +511,9 @@ def test_launch_multi_node_uses_c10d(script: Path, torchrun: TorchrunSpy) -> Non
                    "--nproc-per-node", "1", "--max-restarts", "2", "-m", "train")
     assert result.exit_code == 0, result.output
     [(args, _)] = torchrun.calls
-    assert (args.nnodes, args.standalone, args.rdzv_backend, args.rdzv_endpoint) == ("2", False, "c10d", "head:29400")
+    # c10d, as cpctl's backend that places the machines by node rank (cpctl.launch.rendezvous)
+    assert (args.nnodes, args.standalone, args.rdzv_backend, args.rdzv_endpoint) == ("2", False, "cpctl-c10d",
+                                                                                       "head:29400")
     assert (args.max_restarts, args.module, args.training_script) == (2, True, "train")
     # node_rank 1 never hosts the rendezvous store, whatever its host name: what c10d's store reads
     from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -510,7 +522,7 @@ def test_launch_multi_node_uses_c10d(script: Path, torchrun: TorchrunSpy) -> Non
     config = config_from_args(args)[0]
     params = RendezvousParameters(config.rdzv_backend, config.rdzv_endpoint, config.run_id, config.min_nodes,
                                   config.max_nodes, **config.rdzv_configs)
-    assert params.get_as_bool("is_host") is False
+    assert params.get_as_bool("is_host") is False and params.get_as_int("node_rank") == 1
 
 
 def _child_failed(*failures: tuple[int, int]) -> BaseException:

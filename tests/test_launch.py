@@ -17,12 +17,14 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from launching import REPO, TIMEOUT, cpctl, finish, launch_env
 
 from cpctl.errors import CpctlError
+from cpctl.launch import rendezvous
 from cpctl.launch.launcher import check_cuda_devices
 
 PROBE = REPO / "tests" / "workers" / "launch_probe.py"
@@ -84,21 +86,63 @@ def test_a_failing_worker_is_reported_and_its_code_passed_through(tmp_path: Path
 
 
 def test_two_nodes_on_loopback(tmp_path: Path) -> None:
-    out_dir = tmp_path / "out"
+    # Node rank 1 starts first: c10d alone would make it global rank 0 (on one host it sorts the
+    # machines by the launcher's pid). Each launch's workers write to a directory of their own.
     endpoint = f"127.0.0.1:{free_port()}"
-    nodes = [
-        cpctl("--nnodes", "2", "--node-rank", str(rank), "--rdzv-endpoint", endpoint, "--nproc-per-node", "1",
-              "--device", "cpu", str(PROBE), "--out", str(out_dir), tmp_path=tmp_path)
-        for rank in (0, 1)
-    ]
-    results = [finish(node) for node in nodes]
-    for code, out, err in results:
+    nodes = {
+        node_rank: cpctl("--nnodes", "2", "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint,
+                         "--nproc-per-node", "2", "--device", "cpu", str(PROBE),
+                         "--out", str(tmp_path / f"node{node_rank}"), tmp_path=tmp_path)
+        for node_rank in (1, 0)
+    }
+    for node in nodes.values():
+        code, out, err = finish(node)
         assert code == 0, out + err
-    ranks = records(out_dir)
-    assert sorted(ranks) == [0, 1]
-    assert {record["world_size"] for record in ranks.values()} == {2}
-    assert {record["local_rank"] for record in ranks.values()} == {0}
-    assert {record["profile"]["launch"]["rdzv_endpoint"] for record in ranks.values()} == {endpoint}
+    # global rank 0, which writes checkpoints and logs, runs on the launch given node rank 0
+    ranks = {node_rank: records(tmp_path / f"node{node_rank}") for node_rank in nodes}
+    assert {node_rank: sorted(ranks[node_rank]) for node_rank in nodes} == {0: [0, 1], 1: [2, 3]}
+    every = [record for node in ranks.values() for record in node.values()]
+    assert {record["world_size"] for record in every} == {4}
+    assert all(record["local_rank"] == record["rank"] % 2 for record in every)
+    assert {record["profile"]["launch"]["rdzv_endpoint"] for record in every} == {endpoint}
+
+
+def test_machines_take_the_places_of_their_node_ranks() -> None:
+    # machines in c10d's order; one given no node rank takes the lowest free place
+    assert rendezvous.places([1, 0]) == [1, 0]
+    assert rendezvous.places([None, 0, None]) == [1, 0, 2]
+    assert rendezvous.places([None, None]) == [0, 1]  # none given: c10d's own order
+    with pytest.raises(CpctlError, match=r"^a machine was given node rank 2, but 2 machines joined; give each "
+                                         r"machine its own --node-rank, 0 to 1$"):
+        rendezvous.places([2, 0])
+
+
+def test_two_machines_given_one_node_rank_fail_the_rendezvous_in_one_line(tmp_path: Path) -> None:
+    # cpctl's c10d rendezvous as the agents run it: two handlers joining on loopback, both given node rank 1
+    from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    assert rendezvous.register()
+    endpoint = f"127.0.0.1:{free_port()}"
+
+    def join(is_host: str) -> BaseException | None:
+        params = RendezvousParameters(rendezvous.BACKEND, endpoint, "same-node-rank", 2, 2, is_host=is_host,
+                                      node_rank="1", join_timeout="60")
+        handler = rendezvous_handler_registry.create_handler(params)
+        try:
+            handler.next_rendezvous()
+        except RendezvousError as exc:
+            return exc
+        finally:
+            handler.shutdown()
+        return None
+
+    with ThreadPoolExecutor(2) as pool:
+        errors = list(pool.map(join, ["true", "false"]))
+    for error in errors:
+        assert error is not None
+        assert str(rendezvous.failed(error, watch=None)) == (
+            "rendezvous failed: node rank 1 was given to 2 machines; give each machine its own --node-rank, 0 to 1")
 
 
 def test_ctrl_c_stops_every_worker_and_exits_130(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -150,7 +151,8 @@ def test_several_machines_ask_the_endpoint_and_leave_the_node_rank_to_each_launc
             + ENTER + typed("2") + ENTER * (QUESTIONS - 4))  # 2 processes per machine, cp 2, the rest defaults
     code, shown = drive(keys, output=out)
     assert code == 0, shown
-    where = "on each of the 2 machines, R its node rank (0 on the one at node0:29500: it hosts the rendezvous)"
+    where = ("on each of the 2 machines, R its node rank (0 on the one at node0:29500: it hosts the rendezvous and "
+             "runs global rank 0)")
     assert (f"Launch {where}: cpctl launch --config {out} --node-rank R your_script.py") in " ".join(shown.split())
     assert f"# Launch {where}: cpctl launch --config {out} --node-rank R your_script.py" in out.read_text()
     # every machine launches this file: a node rank in it would be every machine's
@@ -285,7 +287,7 @@ def test_cross_check_names_every_factor():
     assert cross_check({**answers, "parallelism.dp_shard_size": "auto"}, machine=CPU) is None
 
 
-def spawn_in_terminal(output: Path):
+def spawn_in_terminal(output: Path, *, columns: int = 120):
     """run_config in a child process on a real pseudo-terminal (stdin is a TTY: it asks)."""
     pexpect = pytest.importorskip("pexpect")
     driver = ("import sys; from pathlib import Path; from rich.console import Console; "
@@ -293,7 +295,7 @@ def spawn_in_terminal(output: Path):
               "sys.exit(run_config(output=Path(sys.argv[1]), assume_yes=False, flags={}, console=Console()))")
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PROMPT_TOOLKIT_NO_CPR": "1", "TERM": "xterm"}
     return pexpect, pexpect.spawn(sys.executable, ["-c", driver, str(output)], cwd=str(REPO), env=env,
-                                  encoding="utf-8", timeout=15, dimensions=(40, 120))
+                                  encoding="utf-8", timeout=15, dimensions=(40, columns))
 
 
 def test_enter_through_a_real_terminal(tmp_path):
@@ -375,6 +377,37 @@ def test_a_real_terminal_shows_why_an_answer_is_refused_and_ctrl_c_exits_130(tmp
     finally:
         child.close()
     assert child.exitstatus == 130 and not out.exists()
+
+
+def on_screen(raw: str) -> str:
+    """What a terminal shows of `raw`, run together: escape sequences and line breaks gone, each
+    run of spaces one space (a line broken at a space and one cut there read apart)."""
+    return " ".join(re.sub(r"\x1b\[[0-9;?]*[A-Za-z]|\x08", " ", raw).split())
+
+
+def test_a_refusal_longer_than_the_terminal_is_wrapped_not_cut(tmp_path):
+    # 60 columns: the reason is 138 characters, and its end is the fix
+    reason = ("cp(3) = 3 does not divide world size 2 (nnodes 1 x nproc_per_node 2); choose sizes whose "
+              "product divides 2 or change --nproc-per-node/--nnodes")
+    pexpect, child = spawn_in_terminal(tmp_path / "cpctl.yaml", columns=60)
+    try:
+        for prompt in ("The training script uses", "Device", "Machines", "Processes per machine"):
+            child.expect_exact(prompt)
+            child.send(ENTER)
+        child.expect_exact("CP size")
+        child.send(typed("3"))
+        child.expect_exact("cp(3) = 3 does not divide")
+        child.expect_exact("--nproc-per-node/--nnodes", timeout=5)  # cut at the width, it never comes
+        shown = child.before + child.after
+        child.send(CTRL_C)
+        child.expect(pexpect.EOF)
+    finally:
+        child.close()
+    assert on_screen("cp(3) = 3 does not divide" + shown).endswith(reason)
+    # wrapped between words, each line within the terminal
+    lines = [on_screen(line) for line in shown.split("\r\n")]
+    assert len(lines) >= 3 and all(len(line) <= 60 for line in lines)
+    assert "--nproc-per-node/--nnodes" in lines[-1]
 
 
 def test_an_unwritable_output_is_one_line(tmp_path: Path) -> None:

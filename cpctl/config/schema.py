@@ -236,7 +236,7 @@ class Launch:
     nproc_per_node: int = key(integer(minimum=1, auto=True), AUTO, "worker processes per machine",
                               prompt="Processes per machine (nproc_per_node)")
     # Not asked by `cpctl config`: a profile is shared by every machine, the node rank is each one's own.
-    node_rank: int = key(integer(minimum=0), 0, "this machine's index among nnodes; 0 hosts the rendezvous")
+    node_rank: int = key(integer(minimum=0), 0, "this machine's index among nnodes; 0 hosts the rendezvous and runs global rank 0")
     rdzv_endpoint: str | None = key(ENDPOINT, None, "rendezvous address for several machines",
                                     prompt="Rendezvous endpoint, host:port of the node_rank-0 machine")
     max_restarts: int = key(integer(minimum=0), 0, "times the elastic agent restarts failed workers")

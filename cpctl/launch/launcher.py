@@ -5,6 +5,10 @@ it to `torch.distributed.run.run(get_args_parser().parse_args(argv))`. Standalon
 c10d rendezvous across nodes, signal forwarding and root-cause reports all come from
 torchrun itself. Building a `LaunchConfig` by hand is avoided on purpose: its defaults
 (rdzv_backend etcd, max_restarts 3) are not torchrun's, and `--standalone` lives in `run()`.
+Two rendezvous are swapped at launch for cpctl's variants of the same, registered with torch's
+registry: a single node's stores on loopback (launch/loopback.py), and across nodes, c10d with
+each machine's ranks placed by its node rank (launch/rendezvous.py); the dry run prints the
+torchrun line they stand for.
 
 The resolved profile reaches the workers as JSON in `CPCTL_RESOLVED_PROFILE` (workers inherit
 the launcher's environment); torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ... as usual.
@@ -58,6 +62,9 @@ class LaunchPlan:
     module: bool
     torchrun_args: tuple[str, ...]  # what torchrun's own parser is given
     env: dict[str, str]  # set in the launcher's environment; workers inherit it
+    # this machine's node rank when it was given one (see torchrun_args), which then places its
+    # ranks (launch/rendezvous.py); None: the default, or a profile's that every machine shares
+    node_rank: int | None = None
 
     def command_line(self) -> str:
         """The equivalent shell command: env assignments, then `torchrun ...`."""
@@ -80,10 +87,11 @@ def torchrun_args(profile: Profile, *, target: str, target_args: Sequence[str], 
         argv.append("--standalone")  # a private c10d store on a free local port
     else:
         # torchrun honours --node-rank only for its static backend; c10d numbers the machines itself
-        # when they join (sorted by host name). What a given node_rank decides is which machine hosts
-        # the rendezvous store, c10d's is_host: node_rank 0, so no other one guesses from its host
-        # name. A node rank not given to this machine says nothing (a profile's is the same on every
-        # machine): c10d's own rule (the endpoint's host) then.
+        # (sorted by host name). A given node_rank decides which machine hosts the rendezvous store,
+        # c10d's is_host: node_rank 0, so no other one guesses from its host name; and, at launch,
+        # each machine's ranks (cpctl's c10d rendezvous, launch/rendezvous.py). A node rank not given
+        # to this machine says nothing (a profile's is the same on every machine): c10d's own rule
+        # (the endpoint's host) then.
         argv += ["--rdzv-backend=c10d", f"--rdzv-endpoint={launch.rdzv_endpoint}"]
         if node_rank_of_this_machine:
             argv.append(f"--rdzv-conf=is_host={'true' if launch.node_rank == 0 else 'false'}")
@@ -126,15 +134,16 @@ def prepare(
         _check_script(target, cwd=cwd)
     versions.require_torch()
     profile = resolved.profile
+    given = isinstance(resolved.sources.get("launch.node_rank"), MachineSource)
     return LaunchPlan(
         resolved=resolved,
         target=target,
         target_args=tuple(target_args),
         module=module,
         torchrun_args=tuple(torchrun_args(profile, target=target, target_args=target_args, module=module,
-                                          node_rank_of_this_machine=isinstance(resolved.sources.get("launch.node_rank"),
-                                                                               MachineSource))),
+                                          node_rank_of_this_machine=given)),
         env=worker_env(profile, environ=environ),
+        node_rank=profile.launch.node_rank if given else None,
     )
 
 
@@ -163,7 +172,7 @@ def launch(plan: LaunchPlan) -> None:
             restarts = failures.Restarts(max_restarts=profile.launch.max_restarts, logs=logs, error_dir=error_dir,
                                          nnodes=profile.launch.nnodes, ranks=memory.ranks, killed_by=killed_by)
             with restarts if profile.launch.max_restarts else contextlib.nullcontext():
-                _run_torchrun(argv, nnodes=profile.launch.nnodes, killed_by=killed_by)
+                _run_torchrun(argv, nnodes=profile.launch.nnodes, node_rank=plan.node_rank, killed_by=killed_by)
     except KeyboardInterrupt:  # Ctrl-C before torchrun's agent installed its own handlers
         raise LaunchError("interrupted; workers stopped", exit_code=128 + signal.SIGINT) from None
     finally:
@@ -195,13 +204,15 @@ def check_cuda_devices(nproc_per_node: int, *, device_count: int, environ: Mappi
                      f"build (torch.version.cuda), or pass {fix}")
 
 
-def _run_torchrun(argv: list[str], *, nnodes: int = 1, killed_by: Callable[..., str] | None = None) -> None:
+def _run_torchrun(argv: list[str], *, nnodes: int = 1, node_rank: int | None = None,
+                  killed_by: Callable[..., str] | None = None) -> None:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    args = torchrun.get_args_parser().parse_args(loopback.rendezvous_argv(argv))
+    argv = rendezvous.rendezvous_argv(loopback.rendezvous_argv(argv), node_rank=node_rank)
+    args = torchrun.get_args_parser().parse_args(argv)
     watch = None
     if nnodes > 1:
         watch = RendezvousWatch(endpoint=args.rdzv_endpoint, run_id=args.rdzv_id, rdzv_conf=args.rdzv_conf or "",

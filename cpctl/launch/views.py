@@ -51,6 +51,8 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
     out.print(f"[dim]profile as on {escape(resolved.target)}{'; ' + escape(resolved.note) if resolved.note else ''}[/]")
     for note in model.notes:
         out.print(f"[yellow]note:[/] {escape(note)}")
+    if setup.lora is not None:
+        out.print(escape(lora_line(model, estimate)))
 
     peak, block = estimate.peak_moment, estimate.block_moment
     block_titles = {"mlp_backward": "block bwd: MLP", "attention_backward": "block bwd: attention",
@@ -164,6 +166,22 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
     out.print(escape(line) + ".")
 
 
+def lora_line(model: Any, estimate: Any) -> str:
+    """What LoRA trains and what it freezes, and where the frozen base's dtype came from, in one line."""
+    from cpctl import planner
+
+    lora, sizes = estimate.setup.lora, planner.Sizes(model, estimate.setup, estimate.seq_len)
+    if lora.base_dtype is not None:
+        source = "--base-dtype"
+    elif model.weights_dtype is not None:
+        source = "the model's config.json"
+    else:
+        source = "the model names no dtype, as from_config builds it; --base-dtype bf16 for a bf16 checkpoint"
+    return (f"LoRA: {sizes.adapter_params / 1e6:.1f}M adapter parameters trained in fp32 "
+            f"({sizes.adapter_params / model.params:.2%} of the model), rank {lora.rank} on {len(lora.targets)} "
+            f"projections x {model.n_layers} blocks; the base frozen in {sizes.base_dtype} ({source})")
+
+
 # ----------------------------------------------------------------------------- dry run
 
 
@@ -197,6 +215,23 @@ def ulysses_note(profile) -> str | None:
     return (f"Ulysses: sp {par.sp_size} on consecutive ranks, {where}{ring}; each sequence is split over "
             f"cp x sp = {par.cp_size * par.sp_size} ranks. The model's attention heads (per tp rank) must divide by "
             f"{par.sp_size} (checked at prepare_model); K/V heads fewer than {par.sp_size} are repeated, exactly.")
+
+
+def node_order(plan: LaunchPlan) -> str:
+    """What the mesh table's node column means for this launch: which machine runs which ranks."""
+    nproc, node_rank = plan.resolved.profile.launch.nproc_per_node, plan.node_rank
+    writer = "global rank 0 (it writes checkpoints, saved models and logs)"
+    if node_rank is not None:
+        first = node_rank * nproc
+        these = f"rank {first}" if nproc == 1 else f"ranks {first}-{first + nproc - 1}"
+        where = "here" if node_rank == 0 else "on node rank 0"
+        return (f"node = node rank: each machine runs the ranks of the node rank it is given; this one, node rank "
+                f"{node_rank}, runs {these}; {writer} runs {where}.")
+    source = plan.resolved.sources.get("launch.node_rank", "default")
+    shared = "" if source == "default" else f"; launch.node_rank from {source} is every machine's"
+    return (f"node = a place in the rendezvous: this machine was given no node rank of its own (--node-rank, "
+            f"CPCTL_NODE_RANK, SLURM{shared}), so it takes a place no machine was given, in c10d's order (by host "
+            f"name); give each machine its own --node-rank to decide which one runs {writer}.")
 
 
 SCRIPT_APIS = {
@@ -287,11 +322,7 @@ def print_launch_plan(plan: LaunchPlan, *, target: str, problem_here: str | None
     if ulysses:
         out.print(escape(ulysses), soft_wrap=True)
     if profile.launch.nnodes > 1:
-        out.print(
-            "[dim]node = the machine's place in the c10d rendezvous, which numbers machines as they join "
-            "(by host name), not by --node-rank.[/]",
-            soft_wrap=True,
-        )
+        out.print(f"[dim]{escape(node_order(plan))}[/]", soft_wrap=True)
 
     told = accelerate_env(profile)
     if told:
@@ -318,6 +349,9 @@ def print_launch_plan(plan: LaunchPlan, *, target: str, problem_here: str | None
     if "--standalone" in plan.torchrun_args:
         out.print("[dim]cpctl launch binds the rendezvous stores of --standalone to 127.0.0.1 only; plain torchrun "
                   "listens on every interface.[/]", soft_wrap=True)
+    if "--rdzv-backend=c10d" in plan.torchrun_args:
+        out.print("[dim]cpctl launch runs this c10d rendezvous with each machine placed by its node rank; plain "
+                  "torchrun's c10d ignores --node-rank and sorts the machines by host name.[/]", soft_wrap=True)
     out.print(
         f"[dim]The resolved profile reaches every worker as JSON in {PROFILE_ENV_VAR}; "
         "torchrun sets RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT.[/]",

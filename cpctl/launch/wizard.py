@@ -17,6 +17,7 @@ import os
 import shlex
 import sys
 import tempfile
+import textwrap
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,33 @@ def _first_fitting(path: str, candidates: list[Any], *, answers: Answers, machin
 # ----------------------------------------------------------------------------- asking
 
 
+def _wrap_refusals(question: Any) -> None:
+    """Show why an answer is refused in full, word-wrapped over as many lines as it needs.
+
+    prompt_toolkit's validation toolbar is one line: a reason longer than the terminal is cut
+    (`... or change --n`), and the cut part is usually the fix. The prompt's layout keeps that
+    toolbar as the container shown while the buffer has a validation error; its content is
+    replaced by a window that wraps. A layout without it (another prompt_toolkit) is left as it is.
+    """
+    from prompt_toolkit.application import get_app
+    from prompt_toolkit.filters import has_validation_error
+    from prompt_toolkit.layout import ConditionalContainer, FormattedTextControl, Window
+
+    def reason() -> list[tuple[str, str]]:
+        app = get_app()
+        error = app.current_buffer.validation_error
+        if error is None:
+            return []
+        # flags such as --nproc-per-node stay whole on one line, as they are typed
+        lines = textwrap.wrap(error.message, max(app.output.get_size().columns, 1), break_on_hyphens=False)
+        return [("class:validation-toolbar", "\n".join(lines))]
+
+    for container in question.application.layout.walk():
+        if isinstance(container, ConditionalContainer) and container.filter is has_validation_error:
+            container.content = Window(FormattedTextControl(reason), dont_extend_height=True)
+            return
+
+
 class _Asker:
     """Asks one key at a time: skips flagged keys, takes defaults when not interactive."""
 
@@ -115,7 +143,9 @@ class _Asker:
             return parse_answer(path, text, answers=self.answers, machine=self.machine)[1] or True
 
         shown = "" if default is None else str(default)
-        text = self.q.text(message, default=shown, validate=validate).unsafe_ask()
+        question = self.q.text(message, default=shown, validate=validate)
+        _wrap_refusals(question)
+        text = question.unsafe_ask()
         self.answers[path] = parse_answer(path, text, answers=self.answers, machine=self.machine)[0]
         self.origins[path] = "answer"
 
@@ -274,10 +304,11 @@ def launch_command(output: Path, *, nnodes: int = 1) -> str:
 
 def _on_every_machine(nnodes: int, *, endpoint: str | None) -> str:
     """Several machines each run the command with their own node rank: node rank 0 hosts the
-    rendezvous (the rendezvous numbers the machines itself as they join)."""
+    rendezvous and runs global rank 0 (launch/rendezvous.py places each machine by its node rank)."""
     if nnodes == 1:
         return ""
-    return f" on each of the {nnodes} machines, R its node rank (0 on the one at {endpoint}: it hosts the rendezvous)"
+    return (f" on each of the {nnodes} machines, R its node rank (0 on the one at {endpoint}: it hosts the rendezvous "
+            "and runs global rank 0)")
 
 
 def _validated(text: str, *, answers: Answers, machine: Machine, given: Mapping[str, str]) -> config.Resolved:
