@@ -93,19 +93,30 @@ def _config_with(given: dict[str, Any], path: Path) -> Any:
 
 def sends_from_rank0(model: nn.Module) -> bool:
     """Whether accelerate's FSDP2 preparation must send `model`'s weights from rank 0."""
-    return model in _sent_from_rank0
+    return _loaded(model) in _sent_from_rank0
 
 
 def has_placeholders(model: nn.Module) -> bool:
     """Whether this rank's parameters of `model` are placeholders whose values do not matter yet."""
-    return model in _empty
+    return _loaded(model) in _empty
 
 
 def filled(model: nn.Module) -> None:
     """accelerate's preparation has sent `model` its weights from rank 0: it may run."""
-    hook = _empty.pop(model, None)
+    hook = _empty.pop(_loaded(model), None)
     if hook is not None:
         hook.remove()
+
+
+def _loaded(model: nn.Module) -> nn.Module:
+    """The model from_pretrained returned: `model`, or the one it wraps (TRL's and the Trainer's
+    get_peft_model put a PEFT model around it before preparing; rank 0's adapters go out with
+    the base's weights)."""
+    from cpctl.integrations.huggingface import huggingface_model_in
+
+    if model in _sent_from_rank0:
+        return model
+    return huggingface_model_in(model) or model
 
 
 def _refuse_before_prepare(module: nn.Module, args: tuple) -> None:
