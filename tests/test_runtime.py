@@ -133,6 +133,14 @@ def test_an_optimizer_made_before_prepare_model_is_refused_in_one_process(single
     assert error["type"] == "CpctlError" and "before rt.prepare_model" in error["message"], error
 
 
+@pytest.mark.parametrize(("name", "fragment"), [("quantized_float8", "is stored in float8_e4m3fn"),
+                                              ("quantized_int8", "is a quantized module (torch.ao.nn.quantized.dynamic")])
+def test_a_quantized_model_is_one_line_naming_what_is_quantized(single_rank, name: str, fragment: str) -> None:
+    error = single_rank["misuse_single"][name]
+    assert error["type"] == "CpctlError" and "a quantized model cannot be prepared by cpctl" in error["message"], error
+    assert fragment in error["message"] and "load the base in bf16" in error["message"], error
+
+
 def test_a_steps_state_ends_with_its_context(cp_ranks) -> None:
     """After a packed step (cost-placed chunks) rt.shard outside the context shards head-tail again;
     after a padded step whose body raised nothing of it is left; the step gathers its own results."""

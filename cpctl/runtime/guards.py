@@ -1,5 +1,6 @@
 """Misuse the runtime cannot make right, caught where it is cheap: bad buffer arguments, CP
-ranks fed different inputs, an optimizer holding the parameters prepare_model replaced."""
+ranks fed different inputs, an optimizer holding the parameters prepare_model replaced, a
+quantized model."""
 
 from __future__ import annotations
 
@@ -105,3 +106,36 @@ def refuse_parameters_added_later(model: nn.Module) -> None:
                              "rt.prepare_model)")
 
     model.register_forward_pre_hook(check, prepend=True)
+
+
+# Weights stored in these dtypes are quantized: no kernel trains through them as they are, and
+# FSDP2 would shard the packed bytes, not the values.
+_QUANTIZED_DTYPES = {getattr(torch, name) for name in ("int8", "uint8", "int4", "float8_e4m3fn", "float8_e5m2",
+                                                        "float8_e4m3fnuz", "float8_e5m2fnuz", "float4_e2m1fn_x2")
+                     if hasattr(torch, name)}
+
+
+def refuse_quantized(model: nn.Module) -> None:
+    """A quantized model (bitsandbytes' 4/8-bit, GPTQ/AWQ, torchao or torch's own quantized
+    modules, weights in int8 or float8) is one line before any sharding: cpctl shards and trains
+    weights in fp32, bf16 or fp16 only."""
+    quantizer = getattr(model, "hf_quantizer", None) or (
+        getattr(model, "get_base_model", None) and getattr(model.get_base_model(), "hf_quantizer", None))
+    what = None
+    if quantizer is not None or getattr(model, "is_quantized", False):
+        method = getattr(getattr(quantizer, "quantization_config", None), "quant_method", None)
+        what = f"it was loaded quantized ({getattr(method, 'value', method) or 'a quantization_config'})"
+    else:
+        for name, module in model.named_modules():
+            origin = type(module).__module__
+            if origin.startswith(("bitsandbytes", "torch.ao.nn.quantized", "torchao", "auto_gptq", "awq")):
+                what = f"{name or 'the model'} is a quantized module ({origin}.{type(module).__name__})"
+                break
+            low = next(((n, p) for n, p in module.named_parameters(recurse=False) if p.dtype in _QUANTIZED_DTYPES), None)
+            if low is not None:
+                what = f"{name}.{low[0]} is stored in {str(low[1].dtype).removeprefix('torch.')}"
+                break
+    if what is not None:
+        raise CpctlError(f"a quantized model cannot be prepared by cpctl: {what}. cpctl shards and computes weights "
+                         "in fp32, bf16 or fp16: load the base in bf16 (dtype=torch.bfloat16) and train LoRA adapters "
+                         "on it")

@@ -235,6 +235,7 @@ class Runtime:
             # its compiled graph would keep the attention it was traced with, and FSDP2 would wrap the wrapper
             raise CpctlError("the model was compiled (torch.compile) before rt.prepare_model: prepare the model "
                              "itself, then compile what prepare_model returns (model = torch.compile(rt.prepare_model(model)))")
+        guards.refuse_quantized(model)
         checkpointing = self.config.fsdp.activation_checkpointing
         inner = huggingface.huggingface_model_in(model)  # the model itself, or the one a PEFT model wraps
         if inner is not None:

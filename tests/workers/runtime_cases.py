@@ -484,8 +484,21 @@ def optimizer_before_prepare(rt: Runtime) -> dict:
     return error_of(stale.step)
 
 
+def quantized(kind: str) -> torch.nn.Module:
+    """TinyLM with quantized weights, as a QLoRA base would hold them (torch's own kinds: no
+    bitsandbytes here): a weight stored in float8, or torch's dynamically quantized int8 Linear."""
+    model = TinyLM()
+    if kind == "float8":
+        layer = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        layer.weight = torch.nn.Parameter(layer.weight.detach().to(torch.float8_e4m3fn), requires_grad=False)
+        return model
+    return torch.ao.quantization.quantize_dynamic(model, {torch.nn.Linear}, dtype=torch.qint8)
+
+
 def case_misuse_single(rt: Runtime) -> dict:
-    return {"optimizer_before_prepare": optimizer_before_prepare(rt)}
+    return {"optimizer_before_prepare": optimizer_before_prepare(rt),
+            "quantized_float8": error_of(lambda: rt.prepare_model(quantized("float8"))),
+            "quantized_int8": error_of(lambda: rt.prepare_model(quantized("int8")))}
 
 
 CP_CASES = [case_attributes, case_bad_inputs, case_causal_mask_accepted, case_buffers, case_shard_unshard,
