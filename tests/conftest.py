@@ -1,7 +1,6 @@
 """Shared fixtures (`isolated` gives a test its own cwd and a clean cpctl environment) and the
 test tiers: `pytest` runs the quick tier (every pure and in-process test, and one real launch
-per capability); `pytest --full` adds the tests marked `full` (the rest of the launch matrices),
-as CI does."""
+per capability); `pytest --full` adds the tests marked `full` (the rest of the launch matrices)."""
 
 from __future__ import annotations
 

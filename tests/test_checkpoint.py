@@ -224,6 +224,7 @@ def test_a_full_disk_is_one_line_and_the_latest_complete_checkpoint_stays(saved_
         assert abs(got - want) <= TOLERANCE, (resumed["losses"], reference["losses"])
 
 
+@pytest.mark.full
 def test_kill_9_of_the_whole_job_during_a_save_resumes_from_the_last_complete_one(saved_at_cp2_dp2,
                                                                                    tmp_path: Path) -> None:
     _, reference = saved_at_cp2_dp2

@@ -168,6 +168,7 @@ def test_the_stores_listen_on_loopback_and_workers_die_with_a_sigkilled_launcher
     assert not alive, f"workers {alive} outlived their launcher"
 
 
+@pytest.mark.full
 def test_a_launch_leaves_nothing_in_the_temp_dir(tmp_path: Path) -> None:
     temp = tmp_path / "tmp"
     temp.mkdir()

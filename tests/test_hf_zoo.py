@@ -139,6 +139,7 @@ def test_hf_architecture_trains_under_cp_as_in_one_process(zoo, run: str, arch: 
     check(results[arch][case], arch, case, cp=RUNS[run][0])
 
 
+@pytest.mark.full
 def test_the_comparison_catches_mistakes(tmp_path: Path) -> None:
     """Mistakes in the README loop must show: refused, or gradients far from the one-process ones."""
     results = run_zoo(tmp_path, "cp2-allgather", "--wrong-positions", "--wrong-labels", archs=["llama"],

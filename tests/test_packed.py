@@ -57,6 +57,7 @@ def test_packed_training_equals_the_documents_one_by_one(packed_runs, cp: int, s
             assert case["balance"] is None and case["local_chunks"] == 2, (name, case)
 
 
+@pytest.mark.full
 def test_packed_documents_at_cp_1_equal_the_documents_one_by_one(tmp_path: Path) -> None:
     """One plain process (cp 1): nothing is sharded, attention goes through the same engine, and
     every case of cp 2 holds, plus a row of odd length that no cp > 1 could divide."""
@@ -86,6 +87,7 @@ def test_attention_across_documents_is_caught(packed_runs, cp: int, strategy: st
     assert leak["grads_vs_alone"] > 1e-4 and leak["loss_vs_alone"] > 1e-4
 
 
+@pytest.mark.full
 def test_the_packed_benchmark_runs_at_a_tiny_size(tmp_path: Path) -> None:
     """scripts/bench_packed.py --tiny on CPU: its attention check passes, both steps train, one JSON line each."""
     import subprocess
