@@ -76,6 +76,10 @@ def test_defaults_only_write_a_profile_that_resolves(tmp_path):
     assert (got.launch.device, got.launch.nproc_per_node, got.world_size) == ("cpu", 2, 2)
     # the same default as the profile's everywhere: no CP unless asked for
     assert (got.parallelism.cp_size, got.parallelism.dp_shard_size) == (1, 2)
+    # dp_shard_size is written as auto, not the 2 it comes to here: the profile still fits one process
+    assert yaml.safe_load(out.read_text())["parallelism"]["dp_shard_size"] == "auto"
+    one = resolve_apart(tmp_path / "empty", config=out, machine=CPU, flags={"launch.nproc_per_node": 1}).profile
+    assert one.parallelism.dp_shard_size == 1
     assert got.parallelism.cp_comm_strategy == "allgather" and got.parallelism.cp_load_balance
     assert got.fsdp.mixed_precision == "no" and not got.fsdp.activation_checkpointing
     assert "parallelism.cp_size" in shown and f"cpctl launch --config {out} your_script.py" in shown
@@ -85,7 +89,7 @@ def test_custom_answers_are_written(tmp_path):
     out = tmp_path / "p.yaml"
     keys = (ENTER + ENTER + ENTER + typed("4")  # the script's API read at launch, device auto, 1 machine, 4 processes
             + typed("2") + ENTER * 3            # cp 2, sp 1, tp 1, dp_replicate 1
-            + ENTER                             # dp_shard: the computed 4 / (1 * 2 * 1) = 2
+            + ENTER                             # dp_shard: auto, 4 / (1 * 2 * 1) = 2
             + DOWN + ENTER                      # alltoall
             + "n" + DOWN + ENTER + "y"          # no load balance, bf16, checkpointing
             + DOWN + ENTER                      # the selective level
@@ -93,7 +97,8 @@ def test_custom_answers_are_written(tmp_path):
     code, _ = drive(keys, output=out)
     assert code == 0
     written = yaml.safe_load(out.read_text())
-    assert written["parallelism"] == {"dp_replicate_size": 1, "dp_shard_size": 2, "cp_size": 2, "sp_size": 1,
+    assert resolved(out).parallelism.dp_shard_size == 2
+    assert written["parallelism"] == {"dp_replicate_size": 1, "dp_shard_size": "auto", "cp_size": 2, "sp_size": 1,
                                       "tp_size": 1,
                                       "cp_comm_strategy": "alltoall", "cp_load_balance": False}
     assert written["fsdp"] == {"mixed_precision": "bf16", "activation_checkpointing": True}

@@ -247,9 +247,11 @@ def _ask_all(ask: _Asker) -> None:
     sp = answers["parallelism.sp_size"]  # auto: its ranks are among cp_size's
     others = (answers["parallelism.dp_replicate_size"] * answers["parallelism.cp_size"] * (1 if sp == AUTO else sp)
               * answers["parallelism.tp_size"])
-    shards = world // others if world and world % others == 0 else AUTO
-    ask.text("parallelism.dp_shard_size", f"world {world} / (dp_replicate * cp * sp * tp) = {shards}", default=shards,
-             why=f"world {world} / (dp_replicate * cp * sp * tp)")
+    shards = world // others if world and world % others == 0 else None
+    # auto, not the number it comes to: a profile saved from the defaults still fits a launch
+    # with another process count (cpctl plan --nproc-per-node 1, a machine with fewer GPUs).
+    ask.text("parallelism.dp_shard_size", f"auto = world {world} / (dp_replicate * cp * sp * tp)"
+             + ("" if shards is None else f" = {shards}"), default=AUTO, why=f"world {world} / (dp_replicate * cp * sp * tp)")
 
     if answers["parallelism.cp_size"] > 1:  # meaningless without CP: not asked, not written
         ask.select("parallelism.cp_comm_strategy", default="allgather")
