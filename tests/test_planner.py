@@ -131,6 +131,8 @@ def test_recorded_runs_peak_as_planned(record) -> None:
     (options a record predates are off, as they were)."""
     fields = {f.name for f in dataclasses.fields(Setup)}
     options = {name: value for name, value in record.items() if name in fields}
+    if options.get("lora") is not None:  # a LoRA run (scripts/bench_lora.py) records its adapters' settings
+        options["lora"] = planner.Lora(**{**options["lora"], "targets": tuple(options["lora"]["targets"])})
     setup = dataclasses.replace(Setup(gpus=record["world"], cp=record["cp"], strategy=record["strategy"],
                                       sp=record.get("sp", 1)), **options)
     predicted = planner.peak_gib(PRESETS[record["model"].removeprefix("hf:")], setup, record["seq"])
