@@ -149,10 +149,15 @@ def class_members(path: Path, class_name: str) -> set[str]:
 
 
 def members_called_on_runtime(path: Path) -> set[str]:
-    """`runtime.x` and `_runtime.x` in a module: what it uses of the runtime handed to it."""
+    """`runtime.x` and `self.runtime.x` in a module: what it uses of the runtime handed to it."""
+
+    def is_runtime(node: ast.expr) -> bool:
+        return (isinstance(node, ast.Name) and node.id == "runtime") or (
+            isinstance(node, ast.Attribute) and node.attr == "runtime"
+            and isinstance(node.value, ast.Name) and node.value.id == "self")
+
     return {node.attr for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-            and node.value.id in ("runtime", "_runtime")}
+            if isinstance(node, ast.Attribute) and is_runtime(node.value)}
 
 
 def test_the_hugging_face_integration_sees_the_runtime_through_runtime_view() -> None:

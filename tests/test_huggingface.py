@@ -105,6 +105,115 @@ def test_a_model_that_calls_sdpa_itself_is_routed_unless_its_mask_holds_more_tha
     assert "'eager'" in eager and 'attn_implementation="sdpa"' in eager
 
 
+class CountingRuntime:
+    """A RuntimeView of one process (cp 1), enough for a model's forward: its engine is SDPA over
+    the whole sequence, counted; `routing()` is its maybe_context_parallel."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.config = SimpleNamespace(parallelism=SimpleNamespace(tp_size=1))
+        self.sp_size = self.seq_size = 1
+        self.cp_active = False
+        self.attention_calls = 0
+
+    def routing(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def active():
+            self.cp_active = True
+            try:
+                yield
+            finally:
+                self.cp_active = False
+
+        return active()
+
+    def step_attention(self, q, k, v, *, is_causal, scale, enable_gqa, window, chunk):
+        import torch.nn.functional as F
+
+        assert window is None and chunk is None
+        self.attention_calls += 1
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+
+    def shard(self, tensor, seq_dim):
+        return tensor
+
+    def appended_in_shard(self, local_len, *, device=None):
+        return None
+
+    def hide_keys(self, rows) -> None:
+        assert rows is None
+
+    def require_sharded(self, tensor, *, name, seq_dim) -> None:
+        pass
+
+
+def test_two_models_prepared_in_one_process_each_compute_with_their_own_runtime() -> None:
+    """A policy and a PEFT-wrapped reference, prepared with two runtimes: each model's attention goes
+    to its own runtime's engine when that runtime routes, transformers' SDPA when it does not,
+    whichever was prepared last; so do a copy of a prepared model and a checkpointed block's
+    recompute (in backward, after its model's forward returned). The registrations with
+    transformers are undone with the other patches."""
+    import copy
+
+    import torch
+    from transformers import AttentionInterface, LlamaConfig, LlamaForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from cpctl.integrations import huggingface
+    from cpctl.integrations.patches import PATCHES
+
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, attn_implementation="sdpa")
+    plain = LlamaForCausalLM(config)
+    policy = copy.deepcopy(plain)
+    reference = peft.get_peft_model(copy.deepcopy(plain), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    ids = torch.randint(config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    expected = plain(input_ids=ids).logits
+    first, second = CountingRuntime(), CountingRuntime()
+    try:
+        huggingface.prepare(policy, first)
+        huggingface.prepare(huggingface.huggingface_model_in(reference), second)  # prepared last
+        assert AttentionInterface._global_mapping[huggingface.IMPLEMENTATION] is huggingface.attention
+
+        with first.routing():
+            got = policy(input_ids=ids).logits
+        assert (first.attention_calls, second.attention_calls) == (2, 0)  # one per layer, on its own runtime
+        assert (got - expected).abs().max().item() <= 1e-5
+        with first.routing():
+            reference(input_ids=ids)  # its runtime does not route: transformers' SDPA
+        assert (first.attention_calls, second.attention_calls) == (2, 0)
+        with second.routing():
+            got = reference(input_ids=ids).logits
+            policy(input_ids=ids)
+        assert (first.attention_calls, second.attention_calls) == (2, 2)
+        assert (got - reference(input_ids=ids).logits).abs().max().item() <= 1e-5
+        with first.routing():  # a copy of a prepared model (TRL's reference models) keeps its runtime
+            copy.deepcopy(policy)(input_ids=ids)
+        assert (first.attention_calls, second.attention_calls) == (4, 2)
+
+        # The policy's blocks checkpointed: their recompute in backward is routed by the layer's own model.
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        layers = policy.model.layers
+        for index, layer in enumerate(layers):
+            layers[index] = checkpoint_wrapper(layer)
+        with first.routing():
+            loss = policy(input_ids=ids).logits.sum()
+            policy(input_ids=ids)  # another forward ended before the backward
+            loss.backward()
+        assert (first.attention_calls, second.attention_calls) == (4 + 2 + 2 + 2, 2)
+    finally:
+        PATCHES.remove()
+    assert huggingface.IMPLEMENTATION not in AttentionInterface._global_mapping
+    assert huggingface.IMPLEMENTATION not in AttentionMaskInterface._global_mapping
+    assert huggingface._RUNNING == []
+
+
 COMPILED_FIRST = """
 import torch, cpctl
 from transformers import LlamaConfig, LlamaForCausalLM

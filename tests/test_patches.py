@@ -39,6 +39,29 @@ def test_patches_are_undone_as_one_newest_first() -> None:
     assert Library().method() == "original" and Library().enabled is True and patches.applied() == []
 
 
+class Registry:
+    """As transformers' GeneralInterface: implementations by name in a class-wide dict."""
+
+    _global_mapping = {"sdpa": "transformers' own"}
+
+    @classmethod
+    def register(cls, key: str, value: str) -> None:
+        cls._global_mapping.update({key: value})
+
+
+def test_an_entry_of_a_registry_is_undone_with_the_patches() -> None:
+    patches = Patches()
+    patches.register(Registry, "cpctl", "ours", why="a")
+    patches.register(Registry, "sdpa", "replaced", why="b")
+    assert Registry._global_mapping == {"sdpa": "replaced", "cpctl": "ours"}
+    assert patches.is_patched(Registry, "cpctl") and not patches.is_patched(Registry, "eager")
+    assert patches.applied() == ["Registry['cpctl']: a", "Registry['sdpa']: b"]
+    patches.remove()
+    assert Registry._global_mapping == {"sdpa": "transformers' own"} and not patches.is_patched(Registry, "cpctl")
+    with pytest.raises(CpctlError, match="Library is not the registry cpctl knows"):
+        patches.register(Library, "cpctl", "ours", why="c")
+
+
 def test_a_release_cpctl_has_not_checked_is_one_line() -> None:
     assert require_known("pytest", (".".join(pytest.__version__.split(".")[:2]),), what="x")
     with pytest.raises(CpctlError, match=r"pytest \S+ is not a release cpctl knows for tests \(0.1\).*pytest==0.1"):

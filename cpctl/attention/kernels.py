@@ -239,6 +239,9 @@ def seq_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def expand_kv(t: torch.Tensor, groups: int) -> torch.Tensor:
+    """K or V (B, H, S, D) with each head repeated `groups` times in place (head h becomes heads
+    h*groups .. h*groups+groups-1, as GQA groups q heads and Hugging Face's repeat_kv repeats),
+    seq-major. The one GQA widening: for kernels that do not take GQA, and for Ulysses' split."""
     if groups == 1:
         return t
     return t.transpose(1, 2).repeat_interleave(groups, dim=2).transpose(1, 2)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from cpctl.attention.comm import all_to_all
+from cpctl.attention.kernels import expand_kv
 from cpctl.attention.sharding import ChunkLayout
 from cpctl.errors import CpctlError
 from cpctl.strategy import Strategy
@@ -188,7 +189,7 @@ def ulysses_attention(
     q, k, v = checked_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)  # autocast's dtype, as the ring's
     copies = kv_copies(q_heads=q.shape[1], kv_heads=k.shape[1], sp_size=sp)
     if copies > 1:  # fewer K/V heads than sp ranks can split: each is repeated, exactly
-        k, v = (t.repeat_interleave(copies, dim=1) for t in (k, v))
+        k, v = expand_kv(k, copies), expand_kv(v, copies)
     q, k, v = _AllToAll.apply(sp_group, True, q, k, v)
     # The ring over cp on these heads; at cp 1 the engine makes it one kernel call over the whole sequence.
     strategy = strategy if dist.get_world_size(cp_group) > 1 else Strategy.RING

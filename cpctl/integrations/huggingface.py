@@ -22,6 +22,13 @@ those calls are routed like any other code's.
 A 2-D attention_mask (left or right padding, holes) becomes keys no query sees
 (hf_padding.py): every position as transformers computes it.
 
+Each prepared model has its own `PreparedModel`: the runtime it computes with, what its forward
+needs to know, the hooks it acts through. transformers' attention and mask functions for
+"cpctl" are registered once per process, through the patch registry (patches.py, undone with
+every other change), and act for the prepared model whose forward calls them. So models
+prepared in one process (a policy and a reference model, a PEFT model and another, models of
+two runtimes) each compute with their own.
+
 Packed documents are read from position ids exactly when transformers reads them in one
 process: no attention_mask and no KV cache (use_cache off: the config's default, True, keeps
 transformers from reading them).
@@ -37,7 +44,9 @@ from __future__ import annotations
 import inspect
 import logging
 import sys
+import weakref
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +55,8 @@ from torch import nn
 from cpctl.attention.dispatch import MODEL_CAUSAL_MASK
 from cpctl.errors import CpctlError
 from cpctl.integrations import fsdp_saving
+from cpctl.integrations.patches import PATCHES
+from cpctl.runtime import losses
 
 if TYPE_CHECKING:
     from cpctl.integrations.runtime_view import RuntimeView
@@ -75,14 +86,14 @@ def huggingface_model_in(model: nn.Module) -> nn.Module | None:
 # ---------------------------------------------------------------------------- before the first step
 
 
-def prepare(model: nn.Module, runtime: RuntimeView) -> bool:
-    """Check `model`'s config for what CP cannot compute, then route its attention through cpctl.
+def prepare(model: nn.Module, runtime: RuntimeView) -> PreparedModel:
+    """Check `model`'s config for what CP cannot compute, then route its attention through cpctl
+    with `runtime`. Returns the model's PreparedModel, whose hooks the model now carries.
 
-    Returns whether the model had its own gradient checkpointing on: it is turned off here
-    (its recompute would run outside CP's routing) and the runtime checkpoints the blocks instead.
+    A model that had its own gradient checkpointing on has it turned off here (its recompute
+    would run outside CP's routing): `had_checkpointing` tells the runtime to checkpoint the
+    blocks instead.
     """
-    global _runtime
-    _runtime = runtime
     fsdp_saving.install()  # once sharded, save_pretrained must gather before it writes
     config = model.config
     problems = [*_config_problems(config),
@@ -90,7 +101,7 @@ def prepare(model: nn.Module, runtime: RuntimeView) -> bool:
     problem = next(iter(problems), None)
     calls_sdpa = False
     if problem is None:
-        _register()
+        _register_with_transformers()
         if _takes_attention_interface(model):
             model.set_attn_implementation(IMPLEMENTATION)
         if model.config._attn_implementation != IMPLEMENTATION:
@@ -103,23 +114,14 @@ def prepare(model: nn.Module, runtime: RuntimeView) -> bool:
         # cp_size 1: outside the context the model is transformers' own; inside, refused as under CP.
         _log.info("%s keeps transformers' attention (refused inside maybe_context_parallel): %s",
                   type(model).__name__, problem)
-        model.register_forward_pre_hook(lambda module, args: _refuse_inside(runtime, problem))
-        return False
-    model._cpctl_calls_sdpa = calls_sdpa
-    model.register_forward_pre_hook(lambda module, args, kwargs: _before_forward(module, args, kwargs, runtime),
-                                    with_kwargs=True)
-    model.register_forward_hook(lambda module, args, output: _after_forward(module, output, runtime))
-    checkpointing = _checkpointing_on(model)
-    if checkpointing:
-        model.gradient_checkpointing_disable()
-    # transformers runs a model under its own gradient checkpointing without a KV cache
-    model._cpctl_cache_off_in_training = checkpointing
-    return checkpointing
-
-
-def _refuse_inside(runtime: RuntimeView, problem: str) -> None:
-    if runtime.cp_active:
-        raise CpctlError(problem)
+        prepared = PreparedModel(runtime, refusal=problem)
+    else:
+        checkpointing = _checkpointing_on(model)
+        if checkpointing:
+            model.gradient_checkpointing_disable()
+        prepared = PreparedModel(runtime, calls_sdpa=calls_sdpa, had_checkpointing=checkpointing)
+    prepared.attach(model)
+    return prepared
 
 
 def _takes_attention_interface(model: nn.Module) -> bool:
@@ -183,38 +185,55 @@ def _head_problems(config, *, sp_size: int, tp_size: int) -> Iterator[str]:
                f"that divides {heads // tp_size}")
 
 
-_registered = False
-
-
-def _register() -> None:
-    global _registered
-    if _registered:
-        return
+def _register_with_transformers() -> None:
+    """The "cpctl" attention and mask functions, once per process, through the patch registry."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    AttentionInterface.register(IMPLEMENTATION, attention)
-    AttentionMaskInterface.register(IMPLEMENTATION, mask)
-    _registered = True
+    for registry, function in ((AttentionInterface, attention), (AttentionMaskInterface, mask)):
+        if not PATCHES.is_patched(registry, IMPLEMENTATION):
+            PATCHES.register(registry, IMPLEMENTATION, function,
+                             why="cpctl's attention for prepared models: the CP engine inside maybe_context_parallel")
 
 
 # ---------------------------------------------------------------------------- masks and attention
 
 
-# The runtime, handed down by prepare(): this module sits below the runtime and never imports it.
-_runtime: RuntimeView | None = None
+@dataclass
+class _Forward:
+    """One forward of a prepared model, from its pre-hook to its hook (always called, errors too)."""
+
+    prepared: PreparedModel
+    engine_calls_before: int | None = None  # a model that calls SDPA itself, under CP: the engine's count at its start
+    shifted_labels: torch.Tensor | None = None  # set when cpctl makes its loss (this shard's sum) the batch's mean
 
 
-def _active() -> RuntimeView | None:
-    """The runtime while its maybe_context_parallel routes attention, else None."""
-    return _runtime if _runtime is not None and _runtime.cp_active else None
+# The prepared models' forwards in progress, innermost last: transformers calls the attention and
+# mask functions by name, once registered for the process, so they act for the forward calling them.
+_RUNNING: list[_Forward] = []
+# Each attention layer -> the PreparedModel it last ran under CP with: a checkpointed block's
+# recompute runs in backward, after its model's forward (and its _Forward) ended.
+_LAYER_OWNER: weakref.WeakKeyDictionary[nn.Module, PreparedModel] = weakref.WeakKeyDictionary()
+
+
+def _routing_runtime(layer: nn.Module | None = None) -> RuntimeView | None:
+    """The runtime whose maybe_context_parallel computes this call's attention; None: transformers' "sdpa"."""
+    if _RUNNING:
+        prepared = _RUNNING[-1].prepared
+    else:  # a checkpointed block's recompute
+        prepared = _LAYER_OWNER.get(layer) if layer is not None else None
+    if prepared is None or not prepared.runtime.cp_active:
+        return None
+    if layer is not None and _RUNNING:
+        _LAYER_OWNER[layer] = prepared
+    return prepared.runtime
 
 
 def mask(*args: Any, attention_mask: torch.Tensor | None = None, use_vmap: bool = False, **kwargs: Any):
     """transformers' mask hook: under CP build nothing (the engine knows each layer's pattern)."""
     from transformers.masking_utils import sdpa_mask
 
-    runtime = _active()
+    runtime = _routing_runtime()
     if runtime is None:
         return sdpa_mask(*args, attention_mask=attention_mask, use_vmap=use_vmap, **kwargs)
     if attention_mask is not None:  # a model whose forward cpctl did not see first: its padding, as hidden keys
@@ -235,7 +254,7 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     """transformers' attention hook: the layer's own pattern, computed across the CP group."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    runtime = _active()
+    runtime = _routing_runtime(module)
     if runtime is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -281,114 +300,154 @@ def _layer_pattern(module: nn.Module, sliding_window: int | None) -> tuple[int |
 # ---------------------------------------------------------------------------- the model's forward
 
 
-def _before_forward(model: nn.Module, args: tuple, kwargs: dict, runtime: RuntimeView):
-    if not runtime.cp_active:
-        return None
-    if _checkpointing_on(model):
-        raise CpctlError("gradient_checkpointing_enable() after rt.prepare_model: its recompute would not run across "
-                         "the CP group; enable it before prepare_model, or set activation_checkpointing: true")
-    kwargs = dict(kwargs)
-    names = list(inspect.signature(model.forward).parameters)
-    for name, value in zip(names, args):  # positional arguments, by name
-        kwargs[name] = value
-    tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
-    if tokens is None:
-        raise CpctlError("a Hugging Face model under context parallelism needs input_ids or inputs_embeds")
-    batch, local_len = tokens.shape[0], tokens.shape[1]
-    from cpctl.integrations import hf_padding
+class PreparedModel:
+    """cpctl's side of one prepared transformers model: the runtime it computes with, what its
+    forward needs to know, and the hooks through which it acts (attach).
 
-    hf_padding.require_2d(kwargs.get("attention_mask"))
-    for name in ("input_ids", "inputs_embeds", "position_ids", "labels", "shift_labels", "attention_mask"):
-        runtime.require_sharded(kwargs.get(name), name=name, seq_dim=1)
+    Nothing of it lives on the model but its hooks, and nothing in this module's globals but
+    the forwards in progress, so every prepared model computes with its own. The hooks close
+    over it: a copy.deepcopy of the model (TRL's reference models) shares it and its runtime,
+    where bound methods would be deep-copied with the runtime's process groups.
+    """
 
-    # As transformers: position ids restarting mean packed documents only where no mask is given.
-    reads_documents = kwargs.get("attention_mask") is None and not _builds_cache(model, kwargs)
-    hf_padding.adapt(kwargs, runtime, local_len=local_len, device=tokens.device)  # the mask -> hidden keys
-    if kwargs.get("use_cache"):
-        raise CpctlError("use_cache=True under context parallelism: a KV cache of a shard is no use; pass use_cache=False")
-    kwargs["use_cache"] = False
-    if getattr(model, "_cpctl_calls_sdpa", False):
-        if kwargs.get("output_attentions"):
-            raise CpctlError(f"output_attentions=True: {type(model).__name__} then computes attention without SDPA, "
-                             "which cpctl cannot route; leave it out")
-        kwargs["attention_mask"] = MODEL_CAUSAL_MASK  # its SDPA calls read it as the causal mask
-        model._cpctl_calls_before = runtime.attention_calls
-    position_ids = kwargs.get("position_ids")
-    if position_ids is None:
-        # RoPE must see where each token sits in the whole sequence, not in this shard.
-        full = torch.arange(local_len * runtime.seq_size, device=tokens.device).expand(batch, -1)
-        kwargs["position_ids"] = runtime.shard(full, seq_dim=1)
-    elif reads_documents:
-        runtime.adopt_position_ids(position_ids)
-    has_labels = kwargs.get("labels") is not None
-    # A caller's own num_items_in_batch (checked in _loss_arguments) means it normalizes the loss itself.
-    model._cpctl_owns_loss = has_labels and kwargs.get("num_items_in_batch") is None
-    if has_labels:
-        kwargs.update(_loss_arguments(model, kwargs, runtime))
-    return (), kwargs
+    def __init__(self, runtime: RuntimeView, *, calls_sdpa: bool = False, had_checkpointing: bool = False,
+                 refusal: str | None = None) -> None:
+        self.runtime = runtime
+        # It takes no attention implementation but calls SDPA itself (Falcon): under CP it is handed
+        # MODEL_CAUSAL_MASK, and its SDPA calls are routed like any other code's.
+        self.calls_sdpa = calls_sdpa
+        # Its own gradient checkpointing was on (prepare turned it off; the runtime checkpoints its
+        # blocks instead): transformers would have trained it without a KV cache.
+        self.had_checkpointing = had_checkpointing
+        # At cp_size 1, why it keeps transformers' attention: then refused inside maybe_context_parallel.
+        self.refusal = refusal
 
+    def attach(self, model: nn.Module) -> None:
+        """Put this model's hooks on `model` (the transformers model itself, inside any PEFT wrapper)."""
+        if self.refusal is not None:
+            model.register_forward_pre_hook(lambda module, args: self._refuse_inside())
+            return
+        model.register_forward_pre_hook(lambda module, args, kwargs: self._before_forward(module, args, kwargs),
+                                        with_kwargs=True)
+        # Always called, errors too: it ends the _Forward the pre-hook began.
+        model.register_forward_hook(lambda module, args, output: self._after_forward(module, output), always_call=True)
 
-def _builds_cache(model: nn.Module, kwargs: dict) -> bool:
-    """Whether transformers, in one process, would run this call with a KV cache. It then reads
-    no packed documents from the position ids (masking_utils looks for them only without a cache
-    and without an attention_mask), so neither does cpctl."""
-    if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
-        return True
-    use_cache = kwargs.get("use_cache")
-    if use_cache is None:  # transformers' merge_with_config_defaults: the config's value
-        use_cache = getattr(model.config, "use_cache", None)
-    if use_cache and getattr(model, "_cpctl_cache_off_in_training", False) and model.training and torch.is_grad_enabled():
-        return False  # its own gradient checkpointing (which cpctl's replaced) turns the cache off
-    return bool(use_cache)
+    def _refuse_inside(self) -> None:
+        if self.runtime.cp_active:
+            raise CpctlError(self.refusal)
 
+    def _before_forward(self, model: nn.Module, args: tuple, kwargs: dict):
+        forward = _Forward(self)
+        _RUNNING.append(forward)  # first: _after_forward, always called, takes it off
+        runtime = self.runtime
+        if not runtime.cp_active:
+            return None
+        if _checkpointing_on(model):
+            raise CpctlError("gradient_checkpointing_enable() after rt.prepare_model: its recompute would not run "
+                             "across the CP group; enable it before prepare_model, or set activation_checkpointing: true")
+        kwargs = dict(kwargs)
+        names = list(inspect.signature(model.forward).parameters)
+        for name, value in zip(names, args):  # positional arguments, by name
+            kwargs[name] = value
+        tokens = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("inputs_embeds")
+        if tokens is None:
+            raise CpctlError("a Hugging Face model under context parallelism needs input_ids or inputs_embeds")
+        batch, local_len = tokens.shape[0], tokens.shape[1]
+        from cpctl.integrations import hf_padding
 
-def _loss_arguments(model: nn.Module, kwargs: dict, runtime: RuntimeView) -> dict:
-    """What makes the model's own `.loss` the single-process one: labels shifted across shard
-    boundaries, and a divisor that turns FSDP's gradient average into the global token mean."""
-    from transformers.loss.loss_utils import ForCausalLMLoss
+        hf_padding.require_2d(kwargs.get("attention_mask"))
+        for name in ("input_ids", "inputs_embeds", "position_ids", "labels", "shift_labels", "attention_mask"):
+            runtime.require_sharded(kwargs.get(name), name=name, seq_dim=1)
 
-    if getattr(model, "loss_function", None) is not ForCausalLMLoss:
-        raise CpctlError(f"{type(model).__name__}(labels=...) under context parallelism: cpctl makes only the causal-LM "
-                         "loss exact; compute the loss from the logits and use rt.token_mean")
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()):
-        raise CpctlError(f"{type(model).__name__}.forward takes no loss keywords; compute the loss with rt.token_mean")
-    if kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
-        raise CpctlError("output_router_logits under context parallelism: the router's auxiliary loss would average "
-                         "per shard; set output_router_logits=False (or add a global aux loss yourself)")
-    shifted = kwargs.get("shift_labels")
-    if shifted is None:
-        shifted = runtime.shift_sharded(kwargs["labels"], ignore_index=IGNORE_INDEX)
-    if kwargs.get("num_items_in_batch") is not None:
-        if runtime.seq_size > 1 and not runtime.caller_counts_tokens:
-            raise CpctlError("num_items_in_batch under context parallelism: leave it out, cpctl averages over every "
-                             "token of the dp x cp batch (a count made before sharding counts each token once per "
-                             "CP rank)")
-        # The transformers Trainer's own normalization: the local sum over its count, scaled so
-        # that the gradient average over dp x cp gives the global mean. Only the labels needed
-        # shifting across shard boundaries.
-        return {"shift_labels": shifted}
-    tokens = (shifted != IGNORE_INDEX).sum().float()
-    runtime.reduce_over_dp_cp(tokens)
-    ranks = runtime.axes["dp_cp"].size()
-    return {"shift_labels": shifted, "num_items_in_batch": tokens.clamp(min=1) / ranks}
+        # As transformers: position ids restarting mean packed documents only where no mask is given.
+        reads_documents = kwargs.get("attention_mask") is None and not self._builds_cache(model, kwargs)
+        hf_padding.adapt(kwargs, runtime, local_len=local_len, device=tokens.device)  # the mask -> hidden keys
+        if kwargs.get("use_cache"):
+            raise CpctlError("use_cache=True under context parallelism: a KV cache of a shard is no use; "
+                             "pass use_cache=False")
+        kwargs["use_cache"] = False
+        if self.calls_sdpa:
+            if kwargs.get("output_attentions"):
+                raise CpctlError(f"output_attentions=True: {type(model).__name__} then computes attention without "
+                                 "SDPA, which cpctl cannot route; leave it out")
+            kwargs["attention_mask"] = MODEL_CAUSAL_MASK  # its SDPA calls read it as the causal mask
+            forward.engine_calls_before = runtime.attention_calls
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            # RoPE must see where each token sits in the whole sequence, not in this shard.
+            full = torch.arange(local_len * runtime.seq_size, device=tokens.device).expand(batch, -1)
+            kwargs["position_ids"] = runtime.shard(full, seq_dim=1)
+        elif reads_documents:
+            runtime.adopt_position_ids(position_ids)
+        if kwargs.get("labels") is not None:
+            kwargs.update(self._loss_arguments(model, kwargs, forward))
+        return (), kwargs
 
+    def _builds_cache(self, model: nn.Module, kwargs: dict) -> bool:
+        """Whether transformers, in one process, would run this call with a KV cache. It then reads
+        no packed documents from the position ids (masking_utils looks for them only without a cache
+        and without an attention_mask), so neither does cpctl."""
+        if kwargs.get("past_key_values") is not None or kwargs.get("cache") is not None:
+            return True
+        use_cache = kwargs.get("use_cache")
+        if use_cache is None:  # transformers' merge_with_config_defaults: the config's value
+            use_cache = getattr(model.config, "use_cache", None)
+        if use_cache and self.had_checkpointing and model.training and torch.is_grad_enabled():
+            return False  # its own gradient checkpointing (which cpctl's replaced) turns the cache off
+        return bool(use_cache)
 
-def _after_forward(model: nn.Module, output: Any, runtime: RuntimeView):
-    if getattr(model, "_cpctl_calls_sdpa", False) and runtime.cp_active:
-        if runtime.attention_calls == getattr(model, "_cpctl_calls_before", runtime.attention_calls):
+    def _loss_arguments(self, model: nn.Module, kwargs: dict, forward: _Forward) -> dict:
+        """What makes the model's own `.loss` the single-process one: labels shifted across shard
+        boundaries and, unless the caller counts the tokens itself, a loss summed over this shard's
+        tokens, which _after_forward makes the batch's token mean."""
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        runtime = self.runtime
+        if getattr(model, "loss_function", None) is not ForCausalLMLoss:
+            raise CpctlError(f"{type(model).__name__}(labels=...) under context parallelism: cpctl makes only the "
+                             "causal-LM loss exact; compute the loss from the logits and use rt.token_mean")
+        if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()):
+            raise CpctlError(f"{type(model).__name__}.forward takes no loss keywords; compute the loss with rt.token_mean")
+        if kwargs.get("output_router_logits", getattr(model.config, "output_router_logits", False)):
+            raise CpctlError("output_router_logits under context parallelism: the router's auxiliary loss would average "
+                             "per shard; set output_router_logits=False (or add a global aux loss yourself)")
+        shifted = kwargs.get("shift_labels")
+        if shifted is None:
+            shifted = runtime.shift_sharded(kwargs["labels"], ignore_index=IGNORE_INDEX)
+        if kwargs.get("num_items_in_batch") is not None:
+            if runtime.seq_size > 1 and not runtime.caller_counts_tokens:
+                raise CpctlError("num_items_in_batch under context parallelism: leave it out, cpctl averages over every "
+                                 "token of the dp x cp batch (a count made before sharding counts each token once per "
+                                 "CP rank)")
+            # The transformers Trainer's own normalization: the local sum over its count, scaled so
+            # that the gradient average over dp x cp gives the global mean. Only the labels needed
+            # shifting across shard boundaries.
+            return {"shift_labels": shifted}
+        forward.shifted_labels = shifted
+        return {"shift_labels": shifted, "num_items_in_batch": 1}  # transformers' loss: the sum over 1
+
+    def _after_forward(self, model: nn.Module, output: Any):
+        forward = _RUNNING.pop() if _RUNNING and _RUNNING[-1].prepared is self else None
+        if forward is None or output is None:  # the forward raised: nothing of it to check or finish
+            return None
+        runtime = self.runtime
+        if forward.engine_calls_before is not None and runtime.attention_calls == forward.engine_calls_before:
             raise CpctlError(f"{type(model).__name__} computed attention without calling scaled_dot_product_attention "
                              "under context parallelism, so cpctl could not route it; build it with "
                              "attn_implementation=\"sdpa\"")
-    if not getattr(model, "_cpctl_owns_loss", False) or getattr(output, "loss", None) is None:
-        return None
-    model._cpctl_owns_loss = False
-    # Each rank holds its share (local sum / (tokens / ranks)); their mean is the global token
-    # mean. Show that value on every rank, keep this rank's share for the gradient.
-    loss = output.loss
-    mean = loss.detach().clone()
-    runtime.reduce_over_dp_cp(mean)
-    output.loss = loss + (mean / runtime.axes["dp_cp"].size() - loss.detach())
-    return output
+        if forward.shifted_labels is None:  # no labels, or the caller counts the tokens itself
+            return None
+        as_tuple = isinstance(output, tuple)  # return_dict=False: the loss comes first
+        loss_sum = output[0] if as_tuple else getattr(output, "loss", None)
+        if loss_sum is None:
+            return None
+        # This shard's sum becomes the batch's token mean on every rank, with the gradient that
+        # FSDP's average over the dp x cp ranks makes the single-process one.
+        loss = losses.token_mean(loss_sum, forward.shifted_labels, group=runtime.axes["dp_cp"], ignore_index=IGNORE_INDEX)
+        if as_tuple:
+            return (loss, *output[1:])
+        output.loss = loss
+        return output
 
 
 # ---------------------------------------------------------------------------- a loss without full logits
@@ -399,8 +458,6 @@ def causal_lm_loss(model: nn.Module, runtime: RuntimeView, *, input_ids: torch.T
     """The model's causal-LM loss (the global token mean) from its final hidden states and its
     output embedding, chunk by chunk: the full logits are never built. `labels` as for
     `model(labels=...)`: unshifted, sharded like `input_ids` under CP."""
-    from cpctl.runtime.losses import chunked_linear_cross_entropy
-
     head = model.get_output_embeddings()
     decoder = _decoder(model)
     if head is None or decoder is None:
@@ -417,8 +474,9 @@ def causal_lm_loss(model: nn.Module, runtime: RuntimeView, *, input_ids: torch.T
     transform = _logit_transform(model.config)
     _check_logits(output.logits[:, -1], hidden[:, -1], head, transform, model)
     shifted = runtime.shift_sharded(labels, ignore_index=IGNORE_INDEX) if runtime.cp_active else _shift(labels)
-    loss_sum = chunked_linear_cross_entropy(hidden, head.weight, shifted, bias=head.bias, chunk_tokens=chunk_tokens,
-                                            ignore_index=IGNORE_INDEX, transform=transform)
+    loss_sum = losses.chunked_linear_cross_entropy(hidden, head.weight, shifted, bias=head.bias,
+                                                   chunk_tokens=chunk_tokens, ignore_index=IGNORE_INDEX,
+                                                   transform=transform)
     return runtime.token_mean(loss_sum, shifted)
 
 

@@ -33,7 +33,9 @@ import torch
 from cpctl.errors import CpctlError
 from cpctl.integrations import huggingface
 from cpctl.integrations.patches import PATCHES, require_known
+from cpctl.runtime import losses
 from cpctl.runtime.padding import IGNORE_INDEX, POSITIONS
+from cpctl.runtime.parallelize import fsdp2
 from cpctl.versions import KNOWN_TRANSFORMERS
 
 # What the Trainer's inputs append, by name, when a length does not divide (others: cpctl's rule).
@@ -122,9 +124,8 @@ def _counting(compute_loss: Any, runtime: Any) -> Any:
 def cp_mean(runtime: Any, loss: torch.Tensor) -> torch.Tensor:
     """Each CP rank's loss covers its shard (scaled by the Trainer by the number of ranks):
     their mean is the batch's loss, given to every CP rank."""
-    loss = loss.detach().clone()
-    torch.distributed.all_reduce(loss, group=runtime.seq_group)
-    return loss / runtime.seq_size
+    mean, _ = losses.mean_over_ranks(loss, 1, group=runtime.seq_group)
+    return mean.to(loss.dtype)
 
 
 def predicting(prediction_step: Any, runtime: Any) -> Any:
@@ -158,9 +159,4 @@ def averages_gradients(model: Any) -> bool:
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch 2.6 keeps FSDP2 here
-        from torch.distributed._composable.fsdp import FSDPModule
-
-    return isinstance(model, (DistributedDataParallel, FSDPModule, FullyShardedDataParallel))
+    return isinstance(model, (DistributedDataParallel, fsdp2().FSDPModule, FullyShardedDataParallel))

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from cpctl.integrations.patches import PATCHES, require_known
+from cpctl.runtime import losses
 from cpctl.runtime.padding import IGNORE_INDEX
 from cpctl.versions import KNOWN_TRL
 
@@ -72,9 +73,8 @@ def _predicting_under_cp(prediction_step: Any, runtime: Any) -> Any:
                 logits = outputs.logits
             tokens = (inputs["shift_labels"] != IGNORE_INDEX).sum()  # what TRL's mean on this shard divided by
         # TRL's loss is this shard's token mean: weight it by its tokens to get the batch's
-        totals = torch.stack([loss.detach().float() * tokens, tokens.float()])
-        torch.distributed.all_reduce(totals, group=runtime.seq_group)
-        loss = (totals[0] / totals[1].clamp(min=1)).to(loss.dtype)
+        mean, _ = losses.mean_over_ranks(loss.detach().float() * tokens, tokens, group=runtime.seq_group)
+        loss = mean.to(loss.dtype)
         step = runtime.last_step
         if logits is not None and step is not before:  # gathered with the step the context above entered
             logits = step.unshard_results(logits)

@@ -4,6 +4,11 @@ Each rank holds a share of the tokens, and FSDP averages gradients over the dp x
 reduction here returns, on every rank, the value of the whole batch's mean (ready to log),
 with a gradient scaled so that after that averaging every parameter holds the single-process
 gradient of the mean: `share + (mean - share).detach()`.
+
+`mean_over_ranks` is the one reduction of a mean over ranks, for every loss cpctl reduces: the
+token and document means here (a Hugging Face model's own `.loss` is `token_mean`'s, taken in
+integrations/huggingface.py), and the evaluation losses of the Trainer and TRL over the CP
+group (integrations/trainer.py, trl.py).
 """
 
 from __future__ import annotations
@@ -17,13 +22,28 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpctl.errors import CpctlError
 
 
+def mean_over_ranks(local_sum: torch.Tensor, local_count: torch.Tensor | float, *,
+                    group: dist.ProcessGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of `local_sum` / sum of `local_count`, sum of `local_count` at least 1) over `group`'s
+    ranks: one all-reduce, in fp32, without gradient. A count of 1 per rank is the plain mean of
+    the ranks' values."""
+    stats = torch.stack([local_sum.detach().float(),
+                         torch.as_tensor(local_count, dtype=torch.float32, device=local_sum.device)])
+    dist.all_reduce(stats, group=group)
+    total_count = stats[1].clamp(min=1)
+    return stats[0] / total_count, total_count
+
+
+def _valued_as(mean: torch.Tensor, share: torch.Tensor) -> torch.Tensor:
+    """`mean`'s value with the gradient of this rank's `share`."""
+    return share + (mean - share).detach()
+
+
 def token_mean(loss_sum: torch.Tensor, labels: torch.Tensor, *, group: DeviceMesh, ignore_index: int = -100) -> torch.Tensor:
     """The token-mean loss over `group` (the dp x cp ranks) from this rank's summed loss."""
-    stats = torch.stack([loss_sum.detach().float(), (labels != ignore_index).sum().float()])
-    dist.all_reduce(stats, group=group.get_group())
-    total_loss, total_tokens = stats[0], stats[1].clamp(min=1)
+    mean, total_tokens = mean_over_ranks(loss_sum, (labels != ignore_index).sum(), group=group.get_group())
     share = loss_sum * (group.size() / total_tokens)  # FSDP's gradient reduction divides by group.size()
-    return share + (total_loss / total_tokens - share).detach()
+    return _valued_as(mean, share)
 
 
 def document_mean(token_losses: torch.Tensor, labels: torch.Tensor, *, starts: list[tuple[int, ...]],
@@ -49,12 +69,11 @@ def document_mean(token_losses: torch.Tensor, labels: torch.Tensor, *, starts: l
     dist.all_reduce(totals, group=cp.get_group())
     sums, counts = totals
     with_tokens = counts > 0
-    stats = torch.stack([(sums[with_tokens] / counts[with_tokens]).sum(), with_tokens.sum().float()])
-    dist.all_reduce(stats, group=dp.get_group())
-    total_means, total_docs = stats[0], stats[1].clamp(min=1)
+    mean, total_docs = mean_over_ranks((sums[with_tokens] / counts[with_tokens]).sum(), with_tokens.sum(),
+                                       group=dp.get_group())
     weights = (1.0 / counts.clamp(min=1))[doc] * kept
     share = (token_losses * weights).sum() * (dp_cp.size() / total_docs)
-    return share + (total_means / total_docs - share).detach()
+    return _valued_as(mean, share)
 
 
 # ----------------------------------------------------------------------------- chunked cross-entropy

@@ -15,6 +15,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from types import ModuleType
 
 import torch
 from torch import nn
@@ -150,39 +151,38 @@ def master_weights_for_fsdp(model: nn.Module, *, master_weights: str, main: bool
     tell_master_weights(found, master_weights=master_weights, main=main)
 
 
+def fsdp2() -> ModuleType:
+    """torch's FSDP2 (fully_shard, FSDPModule, its policies): torch.distributed.fsdp, or the module
+    torch 2.6 (cpctl's oldest, versions.MIN_TORCH) keeps it in."""
+    from torch.distributed import fsdp
+
+    if hasattr(fsdp, "fully_shard"):
+        return fsdp
+    from torch.distributed._composable import fsdp as composable
+
+    return composable
+
+
 def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, fsdp: Fsdp, blocks: list[nn.Module],
                cpu_offload: bool = False) -> None:
     """FSDP2 on each block, then the root. Trainable low-precision parameters are upcast to fp32
     master weights first (fsdp.master_weights), block by block just before each is sharded, so
     the whole model is never held in fp32 unsharded; compute runs in mixed_precision's dtype."""
-    try:
-        from torch.distributed.fsdp import (
-            CPUOffloadPolicy,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
-            fully_shard,
-        )
-    except ImportError:  # torch 2.6 keeps FSDP2 here
-        from torch.distributed._composable.fsdp import (
-            CPUOffloadPolicy,
-            MixedPrecisionPolicy,
-            OffloadPolicy,
-            fully_shard,
-        )
-
+    api = fsdp2()
     param_dtype = _DTYPES.get(fsdp.mixed_precision)
-    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else MixedPrecisionPolicy()
+    policy = (api.MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype
+              else api.MixedPrecisionPolicy())
     # PyTorch's own offload: sharded parameters, gradients and optimizer state live in pinned CPU memory.
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    offload = api.CPUOffloadPolicy() if cpu_offload else api.OffloadPolicy()
     found = low_precision_trainable(model)
     upcast = fsdp.master_weights == "fp32"
     for block in blocks:
         if upcast:
             upcast_trainable(block)
-        fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload,
-                    reshard_after_forward=fsdp.reshard_after_forward)
+        api.fully_shard(block, mesh=mesh, mp_policy=policy, offload_policy=offload,
+                        reshard_after_forward=fsdp.reshard_after_forward)
     if upcast:
         upcast_trainable(model)  # the root's own: embeddings, head, final norm (the blocks' are done)
     # The root's parameters (embeddings, head) are used last in backward: keep them gathered.
-    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
+    api.fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=offload, reshard_after_forward=False)
     tell_master_weights(found, master_weights=fsdp.master_weights, main=mesh.get_rank() == 0)

@@ -240,7 +240,7 @@ class Runtime:
         inner = huggingface.huggingface_model_in(model)  # the model itself, or the one a PEFT model wraps
         if inner is not None:
             # Its own gradient checkpointing would recompute outside CP's routing: ours instead.
-            checkpointing = huggingface.prepare(inner, self) or checkpointing
+            checkpointing = huggingface.prepare(inner, self).had_checkpointing or checkpointing
         return checkpointing
 
     def _transform_blocks(self, model: nn.Module, blocks: list[nn.Module] | None, *, checkpointing: bool) -> list[nn.Module]:
@@ -467,11 +467,6 @@ class Runtime:
             if chunk + 1 < layout.num_chunks:
                 shifted[:, stop - 1] = first_of[chunk + 1]
         return shifted
-
-    def reduce_over_dp_cp(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` in place over the ranks whose gradients FSDP averages (dp x cp)."""
-        dist.all_reduce(tensor, group=self.axes["dp_cp"].get_group())
-        return tensor
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, *, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
