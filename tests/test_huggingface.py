@@ -65,6 +65,8 @@ def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, layout
 REFUSALS = {
     "checkpointing_after_prepare": ["gradient_checkpointing_enable() after rt.prepare_model", "before prepare_model"],
     "mask_4d": ["a 4-D attention_mask", "pass the 2-D padding mask"],
+    "unprepared_model": ["LlamaForCausalLM runs inside maybe_context_parallel", "cpctl did not prepare it",
+                         "rt.prepare_model first"],
     "use_cache": ["use_cache=False"],
     "num_items_in_batch": ["num_items_in_batch under context parallelism", "leave it out"],
     "labels_not_in_buffers": ["labels has the full sequence length 64", "add it to buffers"],
@@ -72,8 +74,9 @@ REFUSALS = {
     "falcon_alibi": ["FalconForCausalLM cannot run under context parallelism", "alibi=True", "alibi=False"],
     "falcon_output_attentions": ["output_attentions=True", "leave it out"],
 }
-# With nothing sharded, labels of full length are the shard's, and a caller's token count is right.
-FINE_AT_CP_1 = {"labels_not_in_buffers", "num_items_in_batch"}
+# With nothing sharded, labels of full length are the shard's, a caller's token count is right, and
+# a model cpctl did not prepare sees the whole sequence.
+FINE_AT_CP_1 = {"labels_not_in_buffers", "num_items_in_batch", "unprepared_model"}
 
 
 def test_config_problems_name_the_setting() -> None:

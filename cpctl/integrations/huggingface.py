@@ -41,6 +41,7 @@ transformers' own model) and refused inside it, as under CP.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import sys
@@ -216,6 +217,37 @@ _RUNNING: list[_Forward] = []
 _LAYER_OWNER: weakref.WeakKeyDictionary[nn.Module, PreparedModel] = weakref.WeakKeyDictionary()
 
 
+# The pre-hooks of prepared models (a deep copy of a model carries the same functions).
+_PREPARED_HOOKS: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def unprepared_models_refused() -> Iterator[None]:
+    """Inside, a transformers model that cpctl did not prepare is one line when it is called on its
+    own: on a shard it would compute positions and masks of the shard, not of the sequence. Models
+    called inside a prepared one's forward (its backbone) are the prepared model's."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    from transformers import PreTrainedModel
+
+    def refuse_unprepared(module: nn.Module, args: tuple) -> None:
+        if _RUNNING or not isinstance(module, PreTrainedModel):
+            return
+        if any(hook in _PREPARED_HOOKS for hook in module._forward_pre_hooks.values()):
+            return  # prepared: its own pre-hook, which runs next, takes it from here
+        raise CpctlError(f"{type(module).__name__} runs inside maybe_context_parallel on a shard of the sequence, "
+                         "but cpctl did not prepare it: its positions and masks would be the shard's; give it to "
+                         "rt.prepare_model first (the transformers model itself or its PEFT model, not a wrapper "
+                         "around it), or call it outside the context")
+
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(refuse_unprepared)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _routing_runtime(layer: nn.Module | None = None) -> RuntimeView | None:
     """The runtime whose maybe_context_parallel computes this call's attention; None: transformers' "sdpa"."""
     if _RUNNING:
@@ -325,10 +357,13 @@ class PreparedModel:
     def attach(self, model: nn.Module) -> None:
         """Put this model's hooks on `model` (the transformers model itself, inside any PEFT wrapper)."""
         if self.refusal is not None:
-            model.register_forward_pre_hook(lambda module, args: self._refuse_inside())
+            hook = lambda module, args: self._refuse_inside()  # noqa: E731
+            _PREPARED_HOOKS.add(hook)
+            model.register_forward_pre_hook(hook)
             return
-        model.register_forward_pre_hook(lambda module, args, kwargs: self._before_forward(module, args, kwargs),
-                                        with_kwargs=True)
+        hook = lambda module, args, kwargs: self._before_forward(module, args, kwargs)  # noqa: E731
+        _PREPARED_HOOKS.add(hook)
+        model.register_forward_pre_hook(hook, with_kwargs=True)
         # Always called, errors too: it ends the _Forward the pre-hook began.
         model.register_forward_hook(lambda module, args, output: self._after_forward(module, output), always_call=True)
 

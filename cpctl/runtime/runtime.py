@@ -319,7 +319,10 @@ class Runtime:
         was = self._step, step.row_masks
         self._step, step.row_masks = step, masks
         try:
-            with RouteSDPA(self.step_attention, cp_size=self.seq_size, passes_masks=self._passes_masks):
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(RouteSDPA(self.step_attention, cp_size=self.seq_size, passes_masks=self._passes_masks))
+                if self.seq_size > 1:  # at cp_size 1 a model cpctl did not prepare sees the whole sequence
+                    stack.enter_context(huggingface.unprepared_models_refused())
                 yield
         finally:
             self._step, step.row_masks = was

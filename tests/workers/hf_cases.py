@@ -102,6 +102,12 @@ def refused_calls(rt, model, config) -> dict:
 
     ready_made_mask = torch.ones(2, 1, 64, 64, dtype=torch.bool).tril()  # a 4-D mask: not a padding mask
     full_labels = torch.zeros(2, 64, dtype=torch.long)
+    def unprepared_model():  # not given to prepare_model: on a shard its positions would be the shard's
+        plain = LlamaForCausalLM(config)
+        ids = torch.randint(config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(2))
+        with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1]):
+            plain(input_ids=ids)
+
     def checkpointing_enabled_late():
         model.gradient_checkpointing_enable()
         try:
@@ -139,6 +145,7 @@ def refused_calls(rt, model, config) -> dict:
     return {
         "checkpointing_after_prepare": error_of(checkpointing_enabled_late),
         "mask_4d": error_of(lambda: step(attention_mask=ready_made_mask)),
+        "unprepared_model": error_of(unprepared_model),
         "use_cache": error_of(lambda: step(use_cache=True)),
         # a caller's own count (outside the Trainer's compute_loss): made before sharding, it would count
         # each token once per CP rank
