@@ -1,9 +1,10 @@
 """Training throughput and memory at long sequence lengths, with cpctl's memory options.
 
-The model is the example's (`--model 1b`, scripts/llama.py) or an unmodified Hugging Face
-`LlamaForCausalLM` with a real model's shape and vocabulary and random weights
-(`--model hf:llama-3.2-1b`, `hf:llama-3.2-3b`: the shapes `cpctl plan` knows). bf16 (FSDP2
-mixed precision), AdamW, one sequence per step. Activation checkpointing and the memory
+The model is the example's (`--model 1b`, scripts/llama.py) or an unmodified Hugging Face model
+with a real model's shape and vocabulary and random weights, built from its config (nothing is
+downloaded): `--model hf:llama-3.2-1b`, `hf:qwen2.5-7b`, `hf:gemma-2-2b`, ... (the presets `cpctl
+plan` knows, of any family it counts), or `hf:path/to/config.json` (recorded with the config, so that
+the planner can read the run back). bf16 (FSDP2 mixed precision), AdamW, one sequence per step. Activation checkpointing and the memory
 options are the profile's (`--activation-checkpointing`, `--checkpoint-level`,
 `--tiled-mlp-tokens`, `--offload-activations`, ...); `--chunked-loss` takes the loss from the
 hidden states a chunk at a time. Each run appends JSON lines, one per length:
@@ -52,6 +53,7 @@ import torch.distributed as dist
 
 import cpctl
 from cpctl import planner
+from cpctl.errors import CpctlError
 
 # The example's model and training step (scripts/llama.py, scripts/train_llama.py), imported
 # from beside this file however it is started.
@@ -67,8 +69,9 @@ HF_PREFIX = "hf:"
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", "--preset", default="1b",
-                   help=f"an example preset ({', '.join(sorted(PRESETS))}) or hf:<shape> "
-                        f"({', '.join(HF_PREFIX + n for n in planner.PRESETS if n.startswith('llama-'))})")
+                   help=f"an example preset ({', '.join(sorted(PRESETS))}), hf:<a preset of cpctl plan> "
+                        f"({', '.join(HF_PREFIX + n for n in planner.PRESETS if n not in PRESETS)}) or "
+                        "hf:<a Hugging Face config.json>")
     p.add_argument("--seqs", default="32k,64k,128k", help="lengths to time, e.g. 32k,64k")
     p.add_argument("--probe", default="", help="longer lengths to try once each, to find the longest that trains")
     p.add_argument("--chunked-loss", action="store_true", help="the loss a chunk of tokens at a time")
@@ -82,25 +85,49 @@ def parse_args(argv=None):
                    help="CUDA: record the allocator's history over the last length's steps and write what is "
                         "allocated at the peak (scripts/cuda_memory_report.py)")
     args = p.parse_args(argv)
-    name = args.model.removeprefix(HF_PREFIX)
-    if args.model not in PRESETS and not (args.model.startswith(HF_PREFIX) and name in planner.PRESETS):
-        p.error(f"--model {args.model}: not an example preset nor hf:<a shape cpctl plan knows>")
+    if args.model not in PRESETS and not (args.model.startswith(HF_PREFIX) and hf_shape(args.model)):
+        p.error(f"--model {args.model}: not an example preset nor hf:<a shape cpctl plan knows, or a config.json>")
     return args
 
 
+def hf_shape(model: str) -> planner.ModelShape | None:
+    """hf:<preset or config.json>'s shape, as `cpctl plan --model` reads it; None if it names neither."""
+    try:
+        return planner.load_model(model.removeprefix(HF_PREFIX))
+    except CpctlError:
+        return None
+
+
+def hf_config_json(model: str) -> dict | None:
+    """The config.json an hf:<path> names (None for a preset): recorded with each run, so that the
+    planner can read the run back where the file is not (tests/test_planner.py)."""
+    spec = model.removeprefix(HF_PREFIX)
+    if spec in planner.PRESETS:
+        return None
+    path = Path(spec) / "config.json" if Path(spec).is_dir() else Path(spec)
+    return json.loads(path.read_text())
+
+
 class HuggingFaceLlama:
-    """An unmodified transformers LlamaForCausalLM of a planner shape, and its training step."""
+    """An unmodified transformers model of a planner shape (a LlamaForCausalLM for the Llama presets,
+    the family's own model for the others, or a config.json's), and its training step."""
 
-    def __init__(self, rt, shape: planner.ModelShape, *, max_seq: int, chunked_loss: bool):
-        from transformers import LlamaConfig, LlamaForCausalLM
+    def __init__(self, rt, shape: planner.ModelShape, *, max_seq: int, chunked_loss: bool,
+                 config_json: dict | None = None):
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.dim, intermediate_size=shape.ffn_dim,
-                             num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
-                             num_key_value_heads=shape.n_kv_heads, head_dim=shape.head_dim,
-                             tie_word_embeddings=shape.tied_embeddings, max_position_embeddings=max_seq,
-                             rope_theta=500000.0, attn_implementation="sdpa", use_cache=False)
-        with torch.device(rt.device):  # random weights, made where they will live
-            self.model = rt.prepare_model(LlamaForCausalLM(config))
+        # A preset as its family's config (Llama's with Llama 3's rope theta; a rope changes no cost).
+        given = config_json if config_json is not None else {
+            **shape.hf_config(), **({"rope_theta": 500000.0} if shape.family == "llama" else {})}
+        # transformers' default attention (sdpa where the model takes it, eager for Gemma 2): rt.prepare_model
+        # puts cpctl's in its place either way
+        config = AutoConfig.for_model(**{key: value for key, value in given.items() if key != "architectures"},
+                                      max_position_embeddings=max(max_seq, given.get("max_position_embeddings", 0)),
+                                      use_cache=False)
+        if getattr(config, "attn_logit_softcapping", None) is not None:  # Gemma 2: cpctl's kernels cannot cap scores
+            config.attn_logit_softcapping = None
+        with torch.device(rt.device):  # random weights, made where they will live (in the config's dtype)
+            self.model = rt.prepare_model(AutoModelForCausalLM.from_config(config))
         self.rt, self.shape, self.chunked_loss = rt, shape, chunked_loss
         self.vocab_size = shape.vocab_size
 
@@ -118,9 +145,10 @@ class HuggingFaceLlama:
         optimizer.zero_grad(set_to_none=True)
 
     def flops_per_token(self, seq_len: int) -> float:
-        """6 x matmul parameters (blocks and head) + causal attention, as the example counts."""
+        """6 x matmul parameters a token runs through (blocks, its top-k experts, head) + causal attention,
+        as the example counts."""
         shape = self.shape
-        return 6 * (shape.n_layers * shape.block_params + shape.vocab_size * shape.dim) + 6 * shape.n_layers * shape.dim * seq_len
+        return 6 * (shape.active_layers_params + shape.vocab_size * shape.dim) + 6 * shape.n_layers * shape.dim * seq_len
 
 
 class ExampleLlama:
@@ -192,9 +220,11 @@ def main(argv=None):
     lengths = [(label, args.warmup, args.steps) for label in args.seqs.split(",") if label]
     lengths += [(label, 0, 1) for label in args.probe.split(",") if label]
     name = args.model.removeprefix(HF_PREFIX)
+    shape = hf_shape(args.model) if args.model.startswith(HF_PREFIX) else planner.PRESETS[name]
+    config_json = hf_config_json(args.model) if args.model.startswith(HF_PREFIX) else None
     if args.model.startswith(HF_PREFIX):
         longest = max(planner.parse_tokens(label) for label, _, _ in lengths)
-        bench = HuggingFaceLlama(rt, planner.PRESETS[name], max_seq=longest, chunked_loss=args.chunked_loss)
+        bench = HuggingFaceLlama(rt, shape, max_seq=longest, chunked_loss=args.chunked_loss, config_json=config_json)
     else:
         bench = ExampleLlama(rt, name, chunked_loss=args.chunked_loss)
     n_params = sum(p.numel() for p in bench.model.parameters())
@@ -204,7 +234,6 @@ def main(argv=None):
     # The HF step keeps only model(labels=...).loss, not the logits.
     profile_setup = dataclasses.replace(planner.Setup.from_profile(rt.config, chunked_loss=args.chunked_loss),
                                         logits_kept=not args.model.startswith(HF_PREFIX))
-    shape = planner.PRESETS[name]
     for index, (label, warmup, steps) in enumerate(lengths):
         # AdamW has no state before the process's first optimizer step.
         setup = dataclasses.replace(profile_setup, first_step=index == 0 and warmup == 0 and not args.optimizer_state)
@@ -212,7 +241,7 @@ def main(argv=None):
         record = dict(model=args.model, params=n_params, world=rt.world_size, cp=rt.cp_size,
                       strategy=rt.config.parallelism.cp_comm_strategy, seq=seq, probe=steps == 1 and warmup == 0,
                       gpu=torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu", torch=torch.__version__,
-                      date=time.strftime("%Y-%m-%d"))
+                      date=time.strftime("%Y-%m-%d"), **({"hf_config": config_json} if config_json else {}))
         try:
             last = index == len(lengths) - 1
             record.update(run_length(rt, bench, optimizer, seq, warmup=warmup, steps=steps,

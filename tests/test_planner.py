@@ -135,10 +135,13 @@ def test_recorded_runs_peak_as_planned(record) -> None:
         options["lora"] = planner.Lora(**{**options["lora"], "targets": tuple(options["lora"]["targets"])})
     setup = dataclasses.replace(Setup(gpus=record["world"], cp=record["cp"], strategy=record["strategy"],
                                       sp=record.get("sp", 1)), **options)
-    predicted = planner.peak_gib(PRESETS[record["model"].removeprefix("hf:")], setup, record["seq"])
+    # a model given as a config.json (scripts/bench_train.py --model hf:PATH) is recorded with its config
+    model = (planner.model_from_hf_config(record["hf_config"], name=record["model"]) if "hf_config" in record
+             else PRESETS[record["model"].removeprefix("hf:")])
+    predicted = planner.peak_gib(model, setup, record["seq"])
     assert abs(predicted - record["peak_gib"]) <= 0.10 * record["peak_gib"], (predicted, record)
     if "host_gib" in record:
-        host = planner.estimate(PRESETS[record["model"].removeprefix("hf:")], setup, record["seq"]).host_bytes
+        host = planner.estimate(model, setup, record["seq"]).host_bytes
         assert abs(host / planner.GiB - record["host_gib"]) <= 0.10 * record["host_gib"], (host, record)
 
 
@@ -444,8 +447,9 @@ def test_a_hub_id_of_a_presets_model_is_that_preset(hub_id: str, preset: str) ->
     assert model["name"] == preset and model["vocab_size"] == 128256
     assert model["notes"] == [f"{hub_id} is not a file here; it has the shape of the preset {preset}, used here "
                               "(cpctl plan downloads nothing; for another model pass its config.json)"]
-    one_line_error(cpctl("plan", "--model", "Qwen/Qwen2.5-7B", "--seq-len", "1k"),
-                   "--model Qwen/Qwen2.5-7B: no such file", "cpctl plan downloads nothing", "presets: tiny, 1b, llama-3.2-1b")
+    one_line_error(cpctl("plan", "--model", "Qwen/Qwen2.5-Math-7B", "--seq-len", "1k"),
+                   "--model Qwen/Qwen2.5-Math-7B: no such file", "cpctl plan downloads nothing",
+                   "presets: tiny, 1b, llama-3.2-1b")
 
 
 @pytest.mark.usefixtures("isolated")

@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cpctl.config.schema import AUTO, CPU_DEFAULT_NPROC, FIT, KEYS, Flat
+from cpctl.topology import GPUS_PER_NODE
 
 if TYPE_CHECKING:
     from cpctl.launch.script_api import ScriptUse
-
-STATIC_GPUS_PER_NODE = 8  # the node a cuda profile with nproc_per_node auto is checked against, away from it
 
 
 def gpus(count: int) -> str:
@@ -72,7 +71,7 @@ def target_machine(values: Mapping[str, Any], *, detected: Machine) -> tuple[Mac
         elif detected.cuda_devices:
             count, why = detected.cuda_devices, f"nproc_per_node auto: the {gpus(detected.cuda_devices)} visible here"
         else:
-            count = STATIC_GPUS_PER_NODE
+            count = GPUS_PER_NODE  # the node a cuda profile with nproc_per_node auto is checked against, away from it
             why = (f"nproc_per_node auto and no GPU visible here: a node of {count} assumed; "
                    "pass --nproc-per-node N for another")
         nodes = f"{nnodes} nodes with {gpus(count)} each" if several else f"a node with {gpus(count)}"

@@ -45,8 +45,10 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
     gib = planner.GiB
     seq = planner.format_tokens(estimate.seq_len)
     batch = f", {setup.batch} sequences per step" if setup.batch > 1 else ""
+    family = "; ".join([model.family, *model.features()]) if model.family != "llama" or model.features() else ""
     out.print(f"[bold]cpctl plan[/]: {escape(model.name)} ({model.params / 1e9:.2f}B parameters, vocab "
-              f"{model.vocab_size}, {model.n_layers} layers, dim {model.dim}) at {seq} tokens{batch}")
+              f"{model.vocab_size}, {model.n_layers} layers, dim {model.dim}{escape('; ' + family) if family else ''}) "
+              f"at {seq} tokens{batch}")
     out.print(f"{escape(setup.describe())}; {estimate.local_tokens:,} tokens per GPU")
     out.print(f"[dim]profile as on {escape(resolved.target)}{'; ' + escape(resolved.note) if resolved.note else ''}[/]")
     for note in model.notes:
@@ -177,8 +179,9 @@ def lora_line(model: Any, estimate: Any) -> str:
         source = "the model's config.json"
     else:
         source = "the model names no dtype, as from_config builds it; --base-dtype bf16 for a bf16 checkpoint"
+    adapted = len(lora.targeted(model.projections))
     return (f"LoRA: {sizes.adapter_params / 1e6:.1f}M adapter parameters trained in fp32 "
-            f"({sizes.adapter_params / model.params:.2%} of the model), rank {lora.rank} on {len(lora.targets)} "
+            f"({sizes.adapter_params / model.params:.2%} of the model), rank {lora.rank} on {adapted} "
             f"projections x {model.n_layers} blocks; the base frozen in {sizes.base_dtype} ({source})")
 
 

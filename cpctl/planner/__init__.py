@@ -1,8 +1,9 @@
 """How much GPU memory one training step takes, and how long a sequence fits: `cpctl plan`.
 
-Pure arithmetic over a Llama-shaped decoder (no torch): each term of the memory is one
-function in `terms.py`, in bytes per GPU, at each of the moments of a step where the peak
-can fall:
+Pure arithmetic over a decoder's shape (no torch): a Llama block, and what the other families
+add to it (Qwen2/3, Qwen3-MoE, Mistral, Mixtral, Gemma 2/3, Phi-3: `shapes.FAMILIES`). Each term
+of the memory is one function in `terms.py`, in bytes per GPU, at each of the moments of a step
+where the peak can fall:
 
 * `loss`: the end of the forward, while the loss is differentiated, and the final norm's backward
   after it. With full logits this is nearly always the peak: every block's checkpoint is alive

@@ -123,6 +123,8 @@ def estimate(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: f
         raise CpctlError(f"sequence length must be at least 1 token, got {seq_len}")
     if setup.lora is not None and setup.tp > 1:  # how peft's adapters split under TP is not modelled
         raise CpctlError(f"cpctl plan counts LoRA without tensor parallelism: pass --tp-size 1 (not {setup.tp})")
+    if setup.lora is not None:
+        setup.lora.check(model)
     if setup.activation_checkpointing and setup.checkpoint_level == "mixed" and setup.selective_blocks is None:
         return most_selective_blocks(model, setup, seq_len, gpu_memory_gib=gpu_memory_gib,
                                      host_memory_gib=host_memory_gib)
@@ -155,8 +157,9 @@ def peak_gib(model: ModelShape, setup: Setup, seq_len: int) -> float:
 
 def longest_fitting(model: ModelShape, setup: Setup, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
                     host_memory_gib: float | None = None) -> int:
-    """The longest sequence (a multiple of 1024 and of 2 x cp x sp) that fits; 0 if none does."""
-    unit = math.lcm(1024, 2 * setup.seq_ranks)
+    """The longest sequence (a multiple of 1024 and of the layout's chunks, Setup.sequence_chunks) that
+    fits; 0 if none does."""
+    unit = math.lcm(1024, setup.sequence_chunks)
 
     def fits(units: int) -> bool:
         return estimate(model, setup, units * unit, gpu_memory_gib=gpu_memory_gib, host_memory_gib=host_memory_gib).fits

@@ -15,18 +15,16 @@ so it takes what crosses nodes. Hence: Ulysses as wide as the node and the heads
 must divide the q heads of a tp rank), the ring over the rest.
 
 The sequence length does not move the choice: both the all-to-all and the ring's K/V grow with
-it alike, and the sequence must divide into 2 x cp x sp chunks whatever the split. What it
-decides is whether a step fits (`cpctl plan`'s tables).
+it alike; a split changes only what the length must be a multiple of (`topology.sequence_chunks`,
+which the runtime pads to). What it decides is whether a step fits (`cpctl plan`'s tables).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from cpctl.planner.shapes import ModelShape
-
-GPUS_PER_NODE = 8  # an all-to-all wider than a node leaves NVLink
+from cpctl.topology import GPUS_PER_NODE, heads_split_problem, kv_copies
 
 
 @dataclass(frozen=True)
@@ -50,12 +48,12 @@ def choose_layout(model: ModelShape, *, seq_ranks: int, ranks_per_node: int = GP
         return Layout(1, 1, "one rank per sequence (cp_size 1): nothing to split")
     slots = ranks_per_node // tp if ranks_per_node % tp == 0 else 1  # sp positions inside one node
     fits = [d for d in range(1, min(slots, seq_ranks) + 1) if seq_ranks % d == 0 and slots % d == 0]
-    sp = max(d for d in fits if heads % d == 0)
+    sp = max(d for d in fits if heads_split_problem(heads, sp=d) is None)
     cp = seq_ranks // sp
     if sp == 1:
         return Layout(1, cp, f"the ring alone: no sp > 1 divides the {heads} attention heads{per_tp}, the {seq_ranks} "
                              f"ranks per sequence and the {slots} ranks per node that Ulysses can use")
-    copies = math.lcm(kv_heads, sp) // kv_heads
+    copies = kv_copies(q_heads=heads, kv_heads=kv_heads, sp=sp)
     replicated = (f"; its {kv_heads} K/V head{'s are' if kv_heads > 1 else ' is'} repeated {copies}x" if copies > 1
                   else "")
     ulysses = f"Ulysses sp {sp} within a node (each rank attends with {heads // sp} of the {heads} heads{per_tp}{replicated})"

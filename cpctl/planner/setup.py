@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Any
 
 from cpctl.errors import CpctlError
-from cpctl.planner.shapes import PROJECTIONS, ModelShape
+from cpctl.planner.shapes import FUSED_PROJECTIONS, PROJECTIONS, ModelShape
 from cpctl.planner.units import parse_dtype, parse_number
+from cpctl.topology import GPUS_PER_NODE, sequence_chunks
 
 ALL_LINEAR = "all-linear"  # peft's target_modules for every linear projection of the blocks, the LM head excluded
+KNOWN_PROJECTIONS = (*PROJECTIONS, *(name for name in FUSED_PROJECTIONS if name not in PROJECTIONS))
 
 
 @dataclass(frozen=True)
@@ -22,17 +24,37 @@ class Lora:
     of every block two trained adapters, A (rank x in_features) and B (out_features x rank)."""
 
     rank: int
-    targets: tuple[str, ...] = PROJECTIONS  # names of ModelShape.projections; all of them is peft's all-linear
+    targets: tuple[str, ...] = PROJECTIONS  # projection names; all of PROJECTIONS is peft's all-linear
     dropout: float = 0.0  # peft's lora_dropout
     base_dtype: str | None = None  # the frozen weights' dtype; None: the model's own (config.json's dtype)
 
+    @property
+    def all_linear(self) -> bool:
+        return self.targets == PROJECTIONS
+
+    def targeted(self, projections: Mapping[str, tuple[int, int]]) -> list[str]:
+        """Which of a model's `projections` (ModelShape.projections or a part of them) get adapters: every
+        one under all-linear (Phi-3's fused ones too), else those named."""
+        return [name for name in projections if self.all_linear or name in self.targets]
+
+    def check(self, model: ModelShape) -> None:
+        """As peft's get_peft_model refuses targets of which the model has none. A mixture of experts is
+        refused: peft adapts its router and its experts' 3D weights (target_parameters) in a layout of its
+        own release, which the plan does not count."""
+        if model.experts:
+            raise CpctlError(f"--lora-rank with {model.name}, a mixture of experts: cpctl plan does not count peft's "
+                             "adapters on experts; plan full fine-tuning (without --lora-rank), an upper bound")
+        if not self.targeted(model.projections):
+            raise CpctlError(f"--lora-targets {','.join(self.targets)}: {model.name} ({model.family}) has no such "
+                             f"projection; its projections are {','.join(model.projections)}")
+
     def params_per_layer(self, model: ModelShape) -> int:
         """The adapters' parameters in one block: what peft's get_peft_model makes trainable there."""
-        return sum(self.rank * (inputs + outputs) for name, (inputs, outputs) in model.projections.items()
-                   if name in self.targets)
+        projections = model.projections
+        return sum(self.rank * sum(projections[name]) for name in self.targeted(projections))
 
     def describe(self) -> str:
-        targets = ALL_LINEAR if self.targets == PROJECTIONS else ",".join(self.targets)
+        targets = ALL_LINEAR if self.all_linear else ",".join(self.targets)
         return f"LoRA r {self.rank} on {targets}" + (f", dropout {self.dropout:g}" if self.dropout else "")
 
 
@@ -49,12 +71,13 @@ def parse_lora(*, rank: str | None, targets: str | None = None, dropout: str | N
     chosen = PROJECTIONS
     if targets is not None and targets.strip() != ALL_LINEAR:
         names = [name.strip() for name in targets.split(",") if name.strip()]
-        unknown = [name for name in names if name not in PROJECTIONS]
+        unknown = [name for name in names if name not in KNOWN_PROJECTIONS]
         if unknown or not names:
             missing = f"no projection {unknown[0]}" if unknown else "no projection named"
             raise CpctlError(f"--lora-targets {targets}: {missing}; write {ALL_LINEAR} or some of "
-                             f"{','.join(PROJECTIONS)} (peft's target_modules names)")
-        chosen = tuple(name for name in PROJECTIONS if name in names)
+                             f"{','.join(PROJECTIONS)} (peft's target_modules names; Phi-3's fused "
+                             f"{','.join(name for name in FUSED_PROJECTIONS if name not in PROJECTIONS)})")
+        chosen = tuple(name for name in KNOWN_PROJECTIONS if name in names)
     probability = 0.0
     if dropout is not None:
         probability = parse_number(dropout, what="--lora-dropout", minimum=0)
@@ -69,12 +92,13 @@ class Setup:
     """What a plan is for: the layout and the memory options of a resolved profile."""
 
     gpus: int = 1
-    gpus_per_node: int = 8  # GPUs of one machine: they share its host memory, and Ulysses' all-to-all stays on its NVLink
+    gpus_per_node: int = GPUS_PER_NODE  # GPUs of one machine: they share its host memory, and Ulysses' all-to-all stays on its NVLink
     cp: int = 1
     sp: int = 1  # Ulysses: heads split inside attention, the cp rank's tokens split outside it
     dp_shard: int = 1
     tp: int = 1
     strategy: str = "allgather"
+    load_balance: bool = True  # cp_load_balance: head-tail chunks, 2 per cp rank (what a length must divide into)
     precision: str = "bf16"  # bf16 | fp16 | no
     master_weights: str = "fp32"  # fp32 | keep: trainable parameters, gradients, AdamW state in the model's own dtype
     activation_checkpointing: bool = True
@@ -100,6 +124,7 @@ class Setup:
             sp=getattr(profile.parallelism, "sp_size", 1),
             dp_shard=profile.parallelism.dp_shard_size,
             tp=profile.parallelism.tp_size, strategy=profile.parallelism.cp_comm_strategy,
+            load_balance=getattr(profile.parallelism, "cp_load_balance", True),
             precision=profile.fsdp.mixed_precision, activation_checkpointing=profile.fsdp.activation_checkpointing,
             master_weights=getattr(profile.fsdp, "master_weights", "fp32"),
             reshard_after_forward=profile.fsdp.reshard_after_forward, chunked_loss=chunked_loss,
@@ -131,13 +156,19 @@ class Setup:
         """How many GPUs split one sequence: cp x sp."""
         return self.cp * self.sp
 
+    @property
+    def sequence_chunks(self) -> int:
+        """What a sequence's length must be a multiple of (the runtime pads it to one): its chunks over cp x sp."""
+        return sequence_chunks(cp=self.cp, sp=self.sp, load_balance=self.load_balance)
+
     def describe(self) -> str:
         others = self.seq_ranks * self.dp_shard * self.tp
         options = [f"{self.gpus} GPU{'s' if self.gpus > 1 else ''}: cp {self.cp}" + (f" x sp {self.sp}" if self.sp > 1 else "")
                    + f" x dp_shard {self.dp_shard}"
                    + (f" x tp {self.tp}" if self.tp > 1 else "")
                    + (f" x dp_replicate {self.gpus // others}" if self.gpus > others else ""),
-                   (self.strategy if self.cp > 1 else "no CP") + (", Ulysses" if self.sp > 1 else ""),
+                   (self.strategy if self.cp > 1 else "no CP") + (", Ulysses" if self.sp > 1 else "")
+                   + (" without load balance" if self.cp > 1 and not self.load_balance else ""),
                    {"no": "fp32"}.get(self.precision, self.precision)
                    + (", master weights in the model's dtype (keep)" if self.master_weights == "keep" else ""),
                    f"activation checkpointing {self._checkpointing()}",
@@ -199,7 +230,6 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
     GPU plan works on a laptop); `device: auto` is taken as cuda. `--gpus N` makes the world N
     GPUs, all of them CP unless --cp-size is given (dp_replicate and tp as the profile says)."""
     from cpctl.config import AUTO, merge_layers, preview
-    from cpctl.config.rules import STATIC_GPUS_PER_NODE
 
     values, _, _ = merge_layers(flags=flags, config=config, profile_name=profile_name, environ=environ, cwd=cwd)
     device = values.get("launch.device", AUTO)
@@ -212,11 +242,11 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
         if gpus % nnodes:
             raise CpctlError(f"--gpus {gpus} is not a multiple of nnodes {nnodes}")
         machines = ""
-        if "launch.nnodes" not in values and gpus > STATIC_GPUS_PER_NODE and gpus % STATIC_GPUS_PER_NODE == 0:
-            nnodes = gpus // STATIC_GPUS_PER_NODE  # nodes of 8, as GPUs come; Ulysses stays inside one
+        if "launch.nnodes" not in values and gpus > GPUS_PER_NODE and gpus % GPUS_PER_NODE == 0:
+            nnodes = gpus // GPUS_PER_NODE  # nodes of 8, as GPUs come; Ulysses stays inside one
             extra["launch.nnodes"] = str(nnodes)
             extra.setdefault("launch.rdzv_endpoint", values.get("launch.rdzv_endpoint") or "node0:29500")
-            machines = f" on {nnodes} nodes of {STATIC_GPUS_PER_NODE} (--nnodes for others)"
+            machines = f" on {nnodes} nodes of {GPUS_PER_NODE} (--nnodes for others)"
         extra["launch.nproc_per_node"] = str(gpus // nnodes)
         if "parallelism.cp_size" not in flags:
             sp = values.get("parallelism.sp_size", 1)  # auto: sp is taken out of cp_size's ranks

@@ -3,16 +3,17 @@ peak can fall (the package's docstring says which moments, and what the terms mo
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from cpctl.planner.setup import Setup
-from cpctl.planner.shapes import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, ModelShape
+from cpctl.planner.shapes import ModelShape
 from cpctl.planner.units import DTYPE_BYTES
+from cpctl.topology import kv_copies
 
 FP32 = DTYPE_BYTES["fp32"]
 DROPOUT_MASK = 1  # bytes per element of dropout's saved mask (bool)
+INDEX = 8  # bytes of an int64 index
 MOMENTS = ("loss", "mlp_backward", "attention_backward", "last_block_backward", "optimizer_step")
 BLOCK_MOMENTS = ("mlp_backward", "attention_backward", "last_block_backward")
 
@@ -26,12 +27,18 @@ class Sizes:
     seq_len: int
 
     @property
+    def padded_seq_len(self) -> int:
+        """The sequence as the runtime shards it: padded at its end to a multiple of the layout's chunks."""
+        chunks = self.setup.sequence_chunks
+        return -(-self.seq_len // chunks) * chunks
+
+    @property
     def local_tokens(self) -> int:  # L: this GPU's share of its CP group's tokens (cp x sp ranks)
-        return self.setup.batch * self.seq_len // self.setup.seq_ranks
+        return self.setup.batch * self.padded_seq_len // self.setup.seq_ranks
 
     @property
     def group_tokens(self) -> int:  # S: the tokens of the sequences one CP group holds
-        return self.setup.batch * self.seq_len
+        return self.setup.batch * self.padded_seq_len
 
     @property
     def master(self) -> int:
@@ -67,13 +74,16 @@ class Sizes:
 
     @property
     def kv_copies(self) -> int:  # Ulysses repeats K/V heads until sp ranks can split them
-        kv_heads = max(1, self.model.n_kv_heads // self.setup.tp)
-        return math.lcm(kv_heads, self.setup.sp) // kv_heads if self.setup.sp > 1 else 1
+        if self.setup.sp == 1:
+            return 1
+        tp = self.setup.tp
+        return kv_copies(q_heads=max(1, self.model.n_heads // tp), kv_heads=max(1, self.model.n_kv_heads // tp),
+                         sp=self.setup.sp)
 
     @property
     def params_per_gpu(self) -> float:  # TP splits the blocks; FSDP shards everything
         model = self.model
-        return (model.n_layers * model.block_params / self.setup.tp + model.root_params) / self.shards
+        return (model.layers_params / self.setup.tp + model.root_params) / self.shards
 
     @property
     def block_params_per_gpu(self) -> float:  # one block, gathered (with its adapters)
@@ -94,6 +104,13 @@ class Sizes:
     @property
     def trained_block_params_per_gpu(self) -> float:  # one block's, gathered
         return (self.model.block_params if self.setup.lora is None else self.block_adapter_params) / self.setup.tp
+
+    @property
+    def other_blocks_trained_params_per_gpu(self) -> float:  # every block's but the largest one's, sharded
+        model = self.model
+        others = (model.layers_params - model.block_params if self.setup.lora is None
+                  else (model.n_layers - 1) * self.block_adapter_params)
+        return others / self.setup.tp / self.shards
 
     @property
     def frozen_params_per_gpu(self) -> float:  # LoRA's base: its weights alone, in base_dtype (no gradient, no state)
@@ -149,7 +166,7 @@ def gradients(z: Sizes) -> Term:
     head = 0 if z.setup.lora is not None else z.act * z.model.vocab_size * z.model.dim  # a frozen head has none
     trained = z.trained_block_params_per_gpu
     block = z.act * trained + (FP32 * trained if z.setup.precision != "no" else 0)
-    done = 0 if z.setup.cpu_offload else (z.model.n_layers - 1) * z.master * trained / z.shards
+    done = 0 if z.setup.cpu_offload else z.master * z.other_blocks_trained_params_per_gpu
     sharded = 0 if z.setup.cpu_offload else z.master * z.trained_params_per_gpu
     how = f"head's + a block's in backward, + the other blocks' {z.master_dtype} shards at the last; all at the step"
     if z.setup.lora is not None:
@@ -181,9 +198,25 @@ def _block_norm_saved(z: Sizes) -> float:
 
 
 def attention_saved_per_token(z: Sizes) -> float:
-    """Per token, what the attention half of a block keeps for backward: its norm, q/k/v after
-    rotary, the output, and the fp32 log-sum-exp per head (TP splits the heads), and its adapters'."""
-    return _block_norm_saved(z) + attention_kernel_saved_per_token(z) + lora_saved_per_token(z, ATTENTION_PROJECTIONS)
+    """Per token, what the attention half of a block keeps for backward: its norms (the input's; Gemma's
+    also the output's), the q/k norms' (Qwen3, Gemma 3), q/k/v after rotary, the output, and the fp32
+    log-sum-exp per head (TP splits the heads), and its adapters'."""
+    return (_attention_norms(z) * _block_norm_saved(z) + qk_norm_saved_per_token(z) + attention_kernel_saved_per_token(z)
+            + lora_saved_per_token(z, z.model.attention_projections))
+
+
+def _attention_norms(z: Sizes) -> int:
+    """The block's norms in its attention half: the input's, and with 4 norms a block the output's."""
+    return z.model.block_norms // 2
+
+
+def qk_norm_saved_per_token(z: Sizes) -> float:
+    """Per token, what the q and k norms keep: each head's fp32 input and its normalized value (their output
+    goes into rotary, which keeps only cos and sin)."""
+    model = z.model
+    if not model.qk_norm:
+        return 0.0
+    return ((FP32 + z.act) * (model.q_dim + model.kv_dim) + FP32 * (model.n_heads + model.n_kv_heads)) / z.setup.tp
 
 
 def attention_kernel_saved_per_token(z: Sizes) -> float:
@@ -192,7 +225,7 @@ def attention_kernel_saved_per_token(z: Sizes) -> float:
     return z.act * (2 * model.q_dim + 2 * model.kv_dim) / tp + FP32 * model.n_heads / tp + ulysses_saved_per_token(z)
 
 
-def lora_saved_per_token(z: Sizes, projections: tuple[str, ...]) -> float:
+def lora_saved_per_token(z: Sizes, projections: dict[str, tuple[int, int]]) -> float:
     """Per token, what LoRA's adapters on these projections keep for backward beyond the block's own:
     lora_B keeps x @ A (rank values); lora_A keeps x, the projection's own input, counted with the block
     (as in full fine-tuning). With lora_dropout > 0, lora_A keeps the dropped-out copy of x instead, and
@@ -201,8 +234,8 @@ def lora_saved_per_token(z: Sizes, projections: tuple[str, ...]) -> float:
     lora = z.setup.lora
     if lora is None:
         return 0.0
-    adapted = [name for name in projections if name in lora.targets]
-    dropout = sum((z.act + DROPOUT_MASK) * z.model.projections[name][0] for name in adapted) if lora.dropout else 0
+    adapted = lora.targeted(projections)
+    dropout = sum((z.act + DROPOUT_MASK) * projections[name][0] for name in adapted) if lora.dropout else 0
     return z.act * lora.rank * len(adapted) + dropout
 
 
@@ -236,9 +269,24 @@ def _head_layout_qkv(z: Sizes) -> float:
 
 
 def mlp_saved_per_token(z: Sizes) -> float:
-    """Per token, what the MLP half keeps: its norm and gate, up, silu(gate), silu(gate) * up, and its adapters'."""
-    mlp = 4 * z.act * z.model.ffn_dim / z.setup.tp + lora_saved_per_token(z, MLP_PROJECTIONS)
-    return _block_norm_saved(z) + mlp * _tile_share(z, z.setup.tiled_mlp_tokens)
+    """Per token, what the MLP half keeps: its norms (Gemma's output norm too), gate, up, silu(gate),
+    silu(gate) * up (of each of its experts), and its adapters'."""
+    mlp = _mlp_intermediates_per_token(z) + lora_saved_per_token(z, z.model.mlp_projections)
+    norms = z.model.block_norms - _attention_norms(z)
+    return norms * _block_norm_saved(z) + mlp * _tile_share(z, z.setup.tiled_mlp_tokens)
+
+
+def _mlp_intermediates_per_token(z: Sizes) -> float:
+    """Per token, the MLP's own saved tensors: gate, up, act(gate), act(gate) * up of intermediate size.
+    A mixture of experts keeps them for each of the token's top-k experts, with the token's copy each
+    expert's grouped matmul reads and its output before the routing weight scales it (transformers 5's
+    grouped_mm experts), and the router's fp32 probabilities, its top-k indices and weights."""
+    model = z.model
+    if not model.experts:
+        return 4 * z.act * model.ffn_dim / z.setup.tp
+    per_expert = 4 * z.act * model.expert_ffn_dim / z.setup.tp + 2 * z.act * model.dim
+    routing = FP32 * model.experts + model.experts_per_token * 2 * (INDEX + FP32)
+    return model.experts_per_token * per_expert + routing
 
 
 def selective_kept_per_token(z: Sizes) -> float:
@@ -362,33 +410,43 @@ def mlp_working_set(z: Sizes) -> Term:
     the gradient of the block's output. Freed before attention's backward."""
     model, tokens = z.model, z.local_tokens
     recomputed = mlp_saved_per_token(z) * tokens if z.setup.activation_checkpointing else 0
-    transient = (2 * z.act * model.ffn_dim / z.setup.tp * _tile_share(z, z.setup.tiled_mlp_tokens) + z.act * model.dim) * tokens
+    if model.experts:  # for each of the top-k experts: those two gradients, of its output and of its input copy
+        k = model.experts_per_token
+        gradients = k * z.act * (2 * model.expert_ffn_dim / z.setup.tp + 2 * model.dim)
+    else:
+        gradients = 2 * z.act * model.ffn_dim / z.setup.tp
+    transient = (gradients * _tile_share(z, z.setup.tiled_mlp_tokens) + z.act * model.dim) * tokens
     tiles = f", tiles of {z.setup.tiled_mlp_tokens} tokens" if z.setup.tiled_mlp_tokens else ""
-    return Term("MLP working set", _at(0, mlp=recomputed + transient, attention=0),
-                f"{'6' if z.setup.activation_checkpointing else '2'} tensors of intermediate size{tiles}")
+    tensors = f"{'6' if z.setup.activation_checkpointing else '2'} tensors of intermediate size"
+    if model.experts:
+        tensors += f" for each of {model.experts_per_token} experts, their copies of the tokens"
+    return Term("MLP working set", _at(0, mlp=recomputed + transient, attention=0), tensors + tiles)
 
 
 def loss(z: Sizes) -> Term:
     """Full logits: the logits (bf16, held by the loop until backward ends), their fp32
     log-softmax, its gradient and the fp32 logits' gradient: local tokens x vocab x (2+4+4+4).
     Chunked: the same for one chunk, plus the head's fp32 gradient and the hidden states' gradient.
+    Soft-capped logits (Gemma 2) add tanh's output, which its backward keeps: 2 more bytes x vocab.
     Then the final norm's backward (what is left of the loss's, and the norm's fp32 working set):
     the larger of the two is the moment's."""
     model, tokens = z.model, z.local_tokens
     final_norm = final_norm_backward_per_token(z) * tokens
     norm_how = f"; or the final norm's backward ({final_norm_backward_per_token(z) / model.dim:.0f} B x width)"
+    capped = z.act if model.logit_softcap is not None else 0  # per logit
+    cap_how = f" + {capped} B of tanh (soft-capped logits)" if capped else ""
     if not z.setup.chunked_loss:
         logits = z.act * model.vocab_size * tokens
+        held = (3 * FP32 + capped) * model.vocab_size * tokens
         if not z.setup.logits_kept:  # model(labels=...).loss: the output, logits and all, is dropped
-            return Term("loss", _at(max(3 * FP32 * model.vocab_size * tokens, final_norm), mlp=0),
-                        "logits x (4+4+4) B" + norm_how)
-        at_loss = logits + max(3 * FP32 * model.vocab_size * tokens, final_norm)
-        return Term("loss", _at(at_loss, mlp=logits),
-                    f"logits x ({z.act}+4+4+4) B; the {z.dtype} logits stay until backward ends" + norm_how)
+            return Term("loss", _at(max(held, final_norm), mlp=0), "logits x (4+4+4) B" + cap_how + norm_how)
+        return Term("loss", _at(logits + max(held, final_norm), mlp=logits),
+                    f"logits x ({z.act}+4+4+4) B{cap_how}; the {z.dtype} logits stay until backward ends" + norm_how)
     chunk = min(z.setup.loss_chunk_tokens, tokens)
-    at_loss = 4 * FP32 * model.vocab_size * chunk + FP32 * model.vocab_size * model.dim + z.act * model.dim * tokens
+    at_loss = ((4 * FP32 + capped) * model.vocab_size * chunk + FP32 * model.vocab_size * model.dim
+               + z.act * model.dim * tokens)
     return Term("loss", _at(max(at_loss, final_norm), mlp=0),
-                f"chunks of {chunk} tokens x vocab x 16 B; head's fp32 gradient" + norm_how)
+                f"chunks of {chunk} tokens x vocab x 16 B{cap_how}; head's fp32 gradient" + norm_how)
 
 
 def final_norm_backward_per_token(z: Sizes) -> float:
