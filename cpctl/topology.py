@@ -38,8 +38,10 @@ def heads_split_problem(q_heads: int, *, sp: int, tp: int = 1) -> str | None:
     per_rank = q_heads // tp
     if sp > 1 and per_rank % sp:
         heads = f"{per_rank} per tp rank" if tp > 1 else f"{per_rank}"
+        largest = max(d for d in range(1, sp + 1) if per_rank % d == 0)  # the widest split below the one asked
+        example = f" (e.g. {largest})" if largest > 1 else ""
         return (f"sp_size {sp} splits attention heads, but it has {heads} attention heads; choose an sp_size "
-                f"that divides {per_rank} (e.g. {math.gcd(per_rank, sp)})")
+                f"that divides {per_rank}{example}")
     return None
 
 

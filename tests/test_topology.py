@@ -53,21 +53,19 @@ def test_the_plan_reads_cp_load_balance_from_the_profile(isolated) -> None:
     assert (local_tokens(), local_tokens("--cp-load-balance", "false")) == (126, 125)
 
 
-@pytest.mark.parametrize(("q_heads", "kv_heads", "sp"), [
-    (32, 8, 1), (32, 8, 4), (32, 8, 16), (32, 8, 32), (24, 8, 16), (14, 2, 4), (14, 2, 7), (4, 1, 2), (12, 8, 2),
+@pytest.mark.parametrize(("q_heads", "kv_heads", "sp", "copies"), [
+    (32, 8, 1, 1), (32, 8, 4, 1), (32, 8, 16, 2), (32, 8, 32, 4), (24, 8, 16, "refused"), (14, 2, 4, "refused"),
+    (14, 2, 7, 7), (4, 1, 2, 2), (12, 8, 2, "refused"),
 ])
-def test_heads_and_kv_copies_are_the_ulysses_engines(q_heads: int, kv_heads: int, sp: int) -> None:
-    pytest.importorskip("torch")
-    from cpctl.attention.ulysses import kv_copies
-
-    def outcome(function):  # the copies, or that it is refused (in the words of each, until they are one)
-        try:
-            return function(q_heads=q_heads, kv_heads=kv_heads, sp_size=sp)
-        except CpctlError:
-            return "refused"
-
-    ours = outcome(lambda sp_size, **heads: topology.kv_copies(**heads, sp=sp_size))
-    assert ours == outcome(kv_copies)
+def test_kv_heads_are_repeated_until_the_sp_ranks_can_split_them(q_heads: int, kv_heads: int, sp: int,
+                                                                  copies: int | str) -> None:
+    """The one rule the Ulysses engine and the planner both use: q heads must divide over sp (and be
+    a multiple of the K/V heads); K/V heads are repeated up to their least common multiple with sp."""
+    try:
+        got = topology.kv_copies(q_heads=q_heads, kv_heads=kv_heads, sp=sp)
+    except CpctlError:
+        got = "refused"
+    assert got == copies
     assert (topology.heads_split_problem(q_heads, sp=sp) is None) == (q_heads % sp == 0)
 
 

@@ -16,16 +16,15 @@ pieces need no balancing of their own; attention's work is the cp rank's, shared
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
+from cpctl import topology
 from cpctl.attention.comm import all_to_all
 from cpctl.attention.kernels import expand_kv
 from cpctl.attention.sharding import ChunkLayout
-from cpctl.errors import CpctlError
 from cpctl.strategy import Strategy
 
 
@@ -55,16 +54,6 @@ def _divisor_reason(ring: ChunkLayout, sp_size: int) -> str:
     if ring.load_balance:
         return f"2 * cp_size * sp_size ({chunks}) with cp_load_balance"
     return f"cp_size * sp_size ({chunks})"
-
-
-def kv_copies(*, q_heads: int, kv_heads: int, sp_size: int) -> int:
-    """How many times each K/V head is repeated so that sp ranks can split them like the q heads."""
-    if q_heads % sp_size:
-        raise CpctlError(f"sp_size {sp_size} splits attention heads, but q has {q_heads} heads; choose an sp_size "
-                         f"that divides {q_heads} (e.g. {math.gcd(q_heads, sp_size)})")
-    if q_heads % kv_heads:
-        raise CpctlError(f"GQA needs q heads ({q_heads}) to be a multiple of k/v heads ({kv_heads})")
-    return math.lcm(kv_heads, sp_size) // kv_heads
 
 
 # ----------------------------------------------------------------------------- the all-to-alls
@@ -187,7 +176,7 @@ def ulysses_attention(
     sp = dist.get_world_size(sp_group)
     layout = sequence_layout(ring_layout, sp_size=sp, sp_rank=dist.get_rank(sp_group))
     q, k, v = checked_inputs(q, k, v, layout=layout, enable_gqa=enable_gqa)  # autocast's dtype, as the ring's
-    copies = kv_copies(q_heads=q.shape[1], kv_heads=k.shape[1], sp_size=sp)
+    copies = topology.kv_copies(q_heads=q.shape[1], kv_heads=k.shape[1], sp=sp)
     if copies > 1:  # fewer K/V heads than sp ranks can split: each is repeated, exactly
         k, v = expand_kv(k, copies), expand_kv(v, copies)
     q, k, v = _AllToAll.apply(sp_group, True, q, k, v)

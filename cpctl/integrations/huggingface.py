@@ -54,6 +54,7 @@ import torch
 from torch import nn
 
 from cpctl.attention.dispatch import MODEL_CAUSAL_MASK
+from cpctl import topology
 from cpctl.errors import CpctlError
 from cpctl.integrations import fsdp_saving
 from cpctl.integrations.patches import PATCHES
@@ -180,10 +181,9 @@ def _head_problems(config, *, sp_size: int, tp_size: int) -> Iterator[str]:
     need not: fewer than sp are replicated, exactly.)"""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(text, "num_attention_heads", None)
-    if sp_size > 1 and isinstance(heads, int) and (heads // tp_size) % sp_size:
-        per_rank = f"{heads // tp_size} per tp rank" if tp_size > 1 else f"{heads}"
-        yield (f"sp_size {sp_size} splits attention heads, but it has {per_rank} attention heads; choose an sp_size "
-               f"that divides {heads // tp_size}")
+    problem = topology.heads_split_problem(heads, sp=sp_size, tp=tp_size) if isinstance(heads, int) else None
+    if problem is not None:
+        yield problem
 
 
 def _register_with_transformers() -> None:
