@@ -105,12 +105,14 @@ def test_sft_packing_with_the_documented_cp_settings_equals_one_process(tmp_path
 
 def test_sft_with_a_peft_config_trains_and_saves_the_adapters_one_process_does(tmp_path: Path, hub: Path) -> None:
     """`--use_peft`: SFTTrainer(peft_config=...) wraps the model in LoRA adapters (every linear
-    projection) itself; the logs and the adapters it saves equal one process's."""
+    projection) itself, here with gradient checkpointing; the logs and the adapters it saves equal
+    one process's."""
     from safetensors.torch import load_file
 
-    # TRL's lora_dropout default (0.05) draws other masks on a shard than in one process: 0 to compare
+    # TRL's lora_dropout default (0.05) draws other masks on a shard than in one process: 0 to compare.
+    # With gradient checkpointing, which TRL + LoRA + PyTorch's CP fail on (a CheckpointError).
     run = run_sft(tmp_path, hub, "--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0",
-                  "--lora_target_modules", "all-linear")
+                  "--lora_target_modules", "all-linear", "--gradient_checkpointing", "true")
     assert_same_logs(run)
     assert_cp_ran(run, padded=True)
     want = load_file(tmp_path / "plain" / "adapter_model.safetensors")

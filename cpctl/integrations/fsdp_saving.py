@@ -91,7 +91,7 @@ def _accelerate_writing_once(save_model: Any) -> Any:
         def write(staging: Path) -> None:
             token = _gathered.set(full)
             try:
-                save_model(self, model, staging, *args, **kwargs)
+                _write_as_one_process(model, lambda: save_model(self, model, staging, *args, **kwargs))
             finally:
                 _gathered.reset(token)
 
@@ -115,7 +115,7 @@ def _gathering(save_pretrained: Any) -> Any:
         kwargs["is_main_process"] = True  # rank 0 writes: write_together asks no one else
 
         def write(staging: Path) -> None:
-            _write_as_one_process(lambda: save_pretrained(self, staging, *args, state_dict=full, **kwargs))
+            _write_as_one_process(self, lambda: save_pretrained(self, staging, *args, state_dict=full, **kwargs))
 
         saving.write_together(save_directory, write, what=f"saving the model ({what})")
 
@@ -140,9 +140,7 @@ def _gathering_adapters(save_pretrained: Any) -> Any:
         kwargs["is_main_process"] = True
 
         def write(staging: Path) -> None:
-            # peft finds its adapters' keys from the module tree: it must see the names it built
-            with saving.checkpoint_wrappers_lifted(self):
-                _write_as_one_process(lambda: save_pretrained(self, staging, *args, **kwargs))
+            _write_as_one_process(self, lambda: save_pretrained(self, staging, *args, **kwargs))
 
         saving.write_together(save_directory, write, what=f"saving the adapters ({what})")
 
@@ -156,7 +154,8 @@ def _saving_full_weights(save_model: Any) -> Any:
             return save_model(self, output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         full = saving.full_state_dict(self.model, what="Trainer.save_model")
-        saving.write_together(output_dir, lambda staging: _write_as_one_process(lambda: self._save(str(staging), state_dict=full)),
+        saving.write_together(output_dir, lambda staging: _write_as_one_process(
+                                  self.model, lambda: self._save(str(staging), state_dict=full)),
                               what="saving the model (Trainer.save_model)")
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
@@ -164,9 +163,13 @@ def _saving_full_weights(save_model: Any) -> Any:
     return save_full
 
 
-def _write_as_one_process(write: Any) -> None:
+def _write_as_one_process(model: Any, write: Any) -> None:
+    """Rank 0 writes the gathered weights as one process would: the save methods called inside
+    write as they are, and `model`'s module names are the unwrapped model's (peft finds its
+    adapters' keys from the module tree, under the names it built them with)."""
     token = _writing.set(True)
     try:
-        write()
+        with saving.checkpoint_wrappers_lifted(model):
+            write()
     finally:
         _writing.reset(token)
