@@ -52,8 +52,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -66,10 +64,11 @@ from cpctl import planner
 # bench_train's Hugging Face step and its timing of one length, imported from beside this file
 # however it is started.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_train import HF_PREFIX, RECORDED_OPTIONS, HuggingFaceLlama, run_length  # noqa: E402
+from bench_train import (  # noqa: E402
+    HF_PREFIX, RECORDED_OPTIONS, HuggingFaceLlama, model_config, run_length, write_record,
+)
 
 SYSTEMS = ("plain", "cpctl")  # the order they run in: plain's model is freed before cpctl's is built
-ROPE_THETA = 500000.0  # Llama 3's; the shape's other facts are the planner's (planner.PRESETS)
 
 
 def parse_args(argv=None):
@@ -106,14 +105,9 @@ def lora_llama(shape: planner.ModelShape, *, device: torch.device, max_seq: int,
     `device` (an 8B model never exists in fp32, nor on the host), with peft's adapters on every
     linear projection of the blocks: the base frozen, the adapters fp32 (autocast_adapter_dtype)."""
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    # As bench_train's HuggingFaceLlama makes it (Llama 3.1's rope scaling changes no cost).
-    config = LlamaConfig(vocab_size=shape.vocab_size, hidden_size=shape.dim, intermediate_size=shape.ffn_dim,
-                         num_hidden_layers=shape.n_layers, num_attention_heads=shape.n_heads,
-                         num_key_value_heads=shape.n_kv_heads, head_dim=shape.head_dim,
-                         tie_word_embeddings=shape.tied_embeddings, max_position_embeddings=max_seq,
-                         rope_theta=ROPE_THETA, attn_implementation="sdpa", use_cache=False)
+    config = model_config(shape, max_seq=max_seq)  # as bench_train's HuggingFaceLlama makes it
     torch.manual_seed(0)  # both systems get the same weights
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -190,15 +184,6 @@ def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-def write(rt, record: dict, out: str | None) -> None:
-    if rt.is_main:
-        print(json.dumps(record), flush=True)
-        if out:
-            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-            with open(out, "a") as f:
-                f.write(json.dumps(record) + "\n")
 
 
 def main(argv=None):
@@ -281,7 +266,7 @@ def main(argv=None):
                     record["host_gib"] = round(rt.host_arena.peak_bytes / planner.GiB, 2)
             # The plain rows carry no planner options: their setup is the docstring's, not a profile's,
             # and tests/test_planner.py checks the plan against every row that has them.
-            write(rt, record, args.out)
+            write_record(rt, record, args.out)
         del bench, optimizer
         free_memory(rt.device)
 

@@ -108,24 +108,42 @@ def hf_config_json(model: str) -> dict | None:
     return json.loads(path.read_text())
 
 
+def model_config(shape: planner.ModelShape, *, max_seq: int, config_json: dict | None = None):
+    """The transformers config of a planner shape (its family's model; a config.json's as given)."""
+    from transformers import AutoConfig
+
+    # A preset as its family's config (Llama's with Llama 3's rope theta; a rope changes no cost).
+    given = config_json if config_json is not None else {
+        **shape.hf_config(), **({"rope_theta": 500000.0} if shape.family == "llama" else {})}
+    # transformers' default attention (sdpa where the model takes it, eager for Gemma 2): rt.prepare_model
+    # puts cpctl's in its place either way
+    config = AutoConfig.for_model(**{key: value for key, value in given.items() if key != "architectures"},
+                                  max_position_embeddings=max(max_seq, given.get("max_position_embeddings", 0)),
+                                  use_cache=False)
+    if getattr(config, "attn_logit_softcapping", None) is not None:  # Gemma 2: cpctl's kernels cannot cap scores
+        config.attn_logit_softcapping = None
+    return config
+
+
+def write_record(rt, record: dict, out: str | None) -> None:
+    """One run's JSON line, on rank 0: printed, and appended to `out` when given."""
+    if rt.is_main:
+        print(json.dumps(record), flush=True)
+        if out:
+            os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+            with open(out, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
 class HuggingFaceLlama:
     """An unmodified transformers model of a planner shape (a LlamaForCausalLM for the Llama presets,
     the family's own model for the others, or a config.json's), and its training step."""
 
     def __init__(self, rt, shape: planner.ModelShape, *, max_seq: int, chunked_loss: bool,
                  config_json: dict | None = None):
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
 
-        # A preset as its family's config (Llama's with Llama 3's rope theta; a rope changes no cost).
-        given = config_json if config_json is not None else {
-            **shape.hf_config(), **({"rope_theta": 500000.0} if shape.family == "llama" else {})}
-        # transformers' default attention (sdpa where the model takes it, eager for Gemma 2): rt.prepare_model
-        # puts cpctl's in its place either way
-        config = AutoConfig.for_model(**{key: value for key, value in given.items() if key != "architectures"},
-                                      max_position_embeddings=max(max_seq, given.get("max_position_embeddings", 0)),
-                                      use_cache=False)
-        if getattr(config, "attn_logit_softcapping", None) is not None:  # Gemma 2: cpctl's kernels cannot cap scores
-            config.attn_logit_softcapping = None
+        config = model_config(shape, max_seq=max_seq, config_json=config_json)
         with torch.device(rt.device):  # random weights, made where they will live (in the config's dtype)
             self.model = rt.prepare_model(AutoModelForCausalLM.from_config(config))
         self.rt, self.shape, self.chunked_loss = rt, shape, chunked_loss
@@ -256,12 +274,7 @@ def main(argv=None):
                       plan_gib=round(planned.peak / planner.GiB, 2), plan_host_gib=round(planned.host_bytes / planner.GiB, 2))
         if rt.host_arena is not None:
             record["host_gib"] = round(rt.host_arena.peak_bytes / planner.GiB, 2)
-        if rt.is_main:
-            print(json.dumps(record), flush=True)
-            if args.out:
-                os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(record) + "\n")
+        write_record(rt, record, args.out)
         if "error" in record:
             break
 

@@ -366,15 +366,20 @@ def test_cli_config_without_a_tty_takes_defaults_and_refuses_bad_flags(tmp_path,
     assert "Traceback" not in bad.output and not (tmp_path / "y.yaml").exists()
 
 
+def answer_cp_size_with_defaults_before(child, answer: str) -> None:
+    """Enter through the questions before the CP size, then type `answer` to it."""
+    for prompt in ("The training script uses", "Device", "Machines", "Processes per machine"):
+        child.expect_exact(prompt)
+        child.send(ENTER)
+    child.expect_exact("CP size")
+    child.send(typed(answer))
+
+
 def test_a_real_terminal_shows_why_an_answer_is_refused_and_ctrl_c_exits_130(tmp_path):
     out = tmp_path / "cpctl.yaml"
     pexpect, child = spawn_in_terminal(out)
     try:
-        for prompt in ("The training script uses", "Device", "Machines", "Processes per machine"):
-            child.expect_exact(prompt)
-            child.send(ENTER)
-        child.expect_exact("CP size")
-        child.send(typed("3"))
+        answer_cp_size_with_defaults_before(child, "3")
         child.expect_exact("cp(3) = 3 does not divide world size 2 (nnodes 1 x nproc_per_node 2)")
         child.send(CTRL_C)
         child.expect_exact("Interrupted; nothing written.")
@@ -396,11 +401,7 @@ def test_a_refusal_longer_than_the_terminal_is_wrapped_not_cut(tmp_path):
               "product divides 2 or change --nproc-per-node/--nnodes")
     pexpect, child = spawn_in_terminal(tmp_path / "cpctl.yaml", columns=60)
     try:
-        for prompt in ("The training script uses", "Device", "Machines", "Processes per machine"):
-            child.expect_exact(prompt)
-            child.send(ENTER)
-        child.expect_exact("CP size")
-        child.send(typed("3"))
+        answer_cp_size_with_defaults_before(child, "3")
         child.expect_exact("cp(3) = 3 does not divide")
         child.expect_exact("--nproc-per-node/--nnodes", timeout=5)  # cut at the width, it never comes
         shown = child.before + child.after
