@@ -84,10 +84,6 @@ class Mask:
             pieces.append((start, k1))
         return pieces
 
-    def _cuts_keys(self, k0: int, k1: int) -> bool:
-        """Whether a hidden range reaches into [k0, k1)."""
-        return self.visible_key_ranges(k0, k1) != [(k0, k1)]
-
     def _start(self, q: int) -> int:
         """Where q's document starts (0 without documents)."""
         return 0 if self.documents is None else self.documents[bisect.bisect_right(self.documents, q) - 1]
