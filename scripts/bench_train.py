@@ -30,7 +30,9 @@ holds it, as every step after the first does), and the mixed checkpointing level
 Fields: world, cp, seq, the options, step_s (median), tokens_per_s, mfu (model FLOPs incl.
 causal attention, over 989 TFLOP/s dense bf16 per GPU, the H200 datasheet figure), peak_gib
 (max over ranks of torch's peak allocated memory), plan_gib (what `cpctl plan` predicts for
-the same setup), host_gib and plan_host_gib (the host memory the offloaded activations took,
+the same setup), plan_step_s (its predicted step time, over the cached calibration or the
+built-in H200 figures), memory_history and cold_start (the step's time is not a warm one: the
+allocator's history was recorded, or it was the process's first step), host_gib and plan_host_gib (the host memory the offloaded activations took,
 rank 0's, and `cpctl plan`'s figure), selective_blocks (the mixed level's count, as applied),
 and error "out of memory" where a length does not train. `--probe` lengths run one step only,
 to find the longest sequence that trains.
@@ -260,8 +262,12 @@ def main(argv=None):
                       strategy=rt.config.parallelism.cp_comm_strategy, seq=seq, probe=steps == 1 and warmup == 0,
                       gpu=torch.cuda.get_device_name() if rt.device.type == "cuda" else "cpu", torch=torch.__version__,
                       date=time.strftime("%Y-%m-%d"), **({"hf_config": config_json} if config_json else {}))
+        last = index == len(lengths) - 1
+        if args.memory_report and last:
+            record["memory_history"] = True  # the allocator records every event: the step is slower
+        if index == 0 and warmup == 0:
+            record["cold_start"] = True  # the process's first step: one-time costs in its time
         try:
-            last = index == len(lengths) - 1
             record.update(run_length(rt, bench, optimizer, seq, warmup=warmup, steps=steps,
                                      memory_report=args.memory_report if last else None))
         except torch.OutOfMemoryError:
@@ -271,7 +277,8 @@ def main(argv=None):
             setup = dataclasses.replace(setup, selective_blocks=rt.selective_blocks)  # what the runtime applied
         planned = planner.estimate(shape, setup, seq)
         record.update({option: getattr(planned.setup, option) for option in RECORDED_OPTIONS},
-                      plan_gib=round(planned.peak / planner.GiB, 2), plan_host_gib=round(planned.host_bytes / planner.GiB, 2))
+                      plan_gib=round(planned.peak / planner.GiB, 2), plan_host_gib=round(planned.host_bytes / planner.GiB, 2),
+                      plan_step_s=round(planner.predict(shape, planned.setup, seq, planner.throughputs_for()).total, 3))
         if rt.host_arena is not None:
             record["host_gib"] = round(rt.host_arena.peak_bytes / planner.GiB, 2)
         write_record(rt, record, args.out)

@@ -402,6 +402,22 @@ def env() -> None:
 
 
 _PLAN = "Plan"
+_TIME = "Step time"
+
+
+def calibrate_this_machine() -> Any:
+    """`cpctl plan --calibrate`: this machine's GPU timed and its figures cached; no GPU is one line."""
+    from cpctl.planner import calibration, hardware
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise CpctlError("cpctl plan --calibrate times a GPU and this machine has none: run it where you train "
+                         "(plans use the built-in H200 figures meanwhile; --gpu h100 for an H100's)")
+    figures = calibration.calibrate("cuda")
+    path = hardware.save_calibration(figures)
+    Console(stderr=True).print(f"calibration kept in {escape(str(path))}; later plans use it (--gpu h200 for the built-in)")
+    return figures
 
 
 @app.command(cls=_Command)
@@ -440,22 +456,49 @@ def plan(
     base_dtype: Annotated[str | None, typer.Option(
         "--base-dtype", help="The frozen base's dtype under LoRA: bf16, fp16 or fp32 (default: the config.json's "
         "dtype, fp32 if it names none).", metavar="DTYPE", show_default=False, rich_help_panel=_PLAN)] = None,
+    document_tokens: Annotated[str | None, typer.Option(
+        "--document-tokens", help="Sequences are packed documents of this many tokens: attention's time counts "
+        "only the pairs inside a document.", metavar="TOKENS", show_default=False, rich_help_panel=_TIME)] = None,
+    gpu: Annotated[str | None, typer.Option(
+        "--gpu", help="Whose throughputs time the step: h200, h100 (built in) or calibrated (cpctl plan --calibrate's, "
+        "the default when there is one; else h200).", metavar="NAME", show_default=False, rich_help_panel=_TIME)] = None,
+    calibrate: Annotated[bool, typer.Option(
+        "--calibrate", help="Measure this machine's GPU first (about 30 s of matmuls, attention kernels, copies) and "
+        "keep its figures for later plans.", rich_help_panel=_TIME, **SWITCH)] = False,
+    nvlink_gbps: Annotated[str | None, typer.Option(
+        "--nvlink-gbps", help="GB/s per GPU of collectives inside a node (default 370: NVLink 4).", metavar="GB/S",
+        show_default=False, rich_help_panel=_TIME)] = None,
+    network_gbps: Annotated[str | None, typer.Option(
+        "--network-gbps", help="GB/s per GPU of collectives across nodes (default 45: 8 x 400 Gb/s per node of 8).",
+        metavar="GB/S", show_default=False, rich_help_panel=_TIME)] = None,
     json_output: Annotated[bool, typer.Option("--json", help="Print the plan as JSON.", rich_help_panel=_PLAN, **SWITCH)] = False,
     config: ConfigOption = None,
     profile: ProfileOption = None,
     flags: dict[str, str],
 ) -> None:
-    """Estimate the memory per GPU of a training step, and the longest sequence that fits.
+    """Estimate the memory per GPU of a training step, how long it takes, and the longest sequence that fits.
 
-    Prints the peak broken down by term, what to turn on when it does not fit, and the longest
-    sequence for 1 to 32 GPUs. The model is the profile's `model` (--model). Arithmetic only:
-    nothing runs, torch is not imported.
+    Prints the peak broken down by term, what to turn on when it does not fit, the step's time by
+    kernel class, the layouts that fit ranked by their time, and the longest sequence for 1 to 32
+    GPUs. The model is the profile's `model` (--model). Arithmetic only (torch is not imported),
+    except with --calibrate, which times this machine's GPU first.
     """
     from cpctl import planner
 
     with user_errors():
+        if calibrate:
+            figures = calibrate_this_machine()
+            if seq_len is None:
+                typer.echo(json.dumps(figures.to_dict(), indent=2)) if json_output else views.print_throughputs(figures)
+                return
         if seq_len is None:
             raise CpctlError("--seq-len is required, e.g. --seq-len 128k")
+        figures = planner.throughputs_for(gpu).with_links(
+            nvlink_gbps=None if nvlink_gbps is None else planner.parse_number(nvlink_gbps, what="--nvlink-gbps",
+                                                                              minimum=0.001),
+            network_gbps=None if network_gbps is None else planner.parse_number(network_gbps, what="--network-gbps",
+                                                                                minimum=0.001))
+        documents = None if document_tokens is None else planner.parse_tokens(document_tokens, what="--document-tokens")
         tokens = planner.parse_tokens(seq_len)
         world = None if gpus is None else int(planner.parse_number(gpus, what="--gpus", integer=True))
         memory = planner.parse_number(gpu_memory, what="--gpu-memory", minimum=0.001)
@@ -473,7 +516,7 @@ def plan(
                              "config.json (or model: in the profile)")
         shape = planner.load_model(resolved.model)
         result = planner.make_plan(shape, resolved.setup, tokens, gpu_memory_gib=memory, host_memory_gib=host,
-                                   available=planner.available_options())
+                                   available=planner.available_options(), figures=figures, document_tokens=documents)
     if json_output:
         shown = {"target": resolved.target, "note": resolved.note, "split_by_sp_size_auto": resolved.split}
         typer.echo(json.dumps({**result.to_dict(), "profile": shown}, indent=2))

@@ -114,6 +114,8 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
             line += " needed; not checked: the host's size is not known (--host-memory GIB)"
         out.print(line, soft_wrap=True)
 
+    print_step_time(result)
+
     if result.suggestions:
         out.print()
         memory = "GPU and host memory" if not estimate.fits_host else "GiB needed per GPU"
@@ -166,6 +168,55 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
     if result.all_options:
         line += f", {needs(result.needed_all)} with + {better}"
     out.print(escape(line) + ".")
+
+
+def print_step_time(result: Any) -> None:
+    """The step's predicted time by component, and the layouts that fit ranked by their time."""
+    out = _stdout()
+    time, figures = result.time, result.figures
+    if time is None:
+        return
+    fits = "" if result.estimate.fits else " (if it fitted)"
+    parts = ", ".join(f"{name} {seconds:.2f}" for name, seconds in sorted(time.seconds.items(), key=lambda kv: -kv[1])
+                      if seconds >= 0.005)
+    out.print()
+    out.print(f"[bold]step time[/]{fits}: {time.total:.2f} s, {time.tokens_per_s:,.0f} tokens/s "
+              f"({time.tokens_per_s / time.gpus:,.0f} a GPU); seconds: {escape(parts)}")
+    out.print(f"[dim]predicted over {escape(figures.name)}'s throughputs ({escape(figures.source)})[/]")
+    if not result.ranked:
+        return
+    table = Table(show_edge=False, title="layouts that fit, fastest first (predicted)", title_justify="left")
+    for title in ("layout", "step s", "tokens/s", "peak GiB"):
+        table.add_column(title, justify="left" if title == "layout" else "right")
+    current = result.estimate.setup
+    for entry in result.ranked[:8]:
+        chosen = entry.setup
+        same = (chosen.sp, chosen.cp, chosen.strategy, chosen.activation_checkpointing, chosen.checkpoint_level) == (
+            current.sp, current.cp, current.strategy, current.activation_checkpointing, current.checkpoint_level)
+        label = escape(entry.label()) + (" [dim](this profile's)[/]" if same else "")
+        table.add_row(label, f"{entry.time.total:.2f}", f"{entry.time.tokens_per_s:,.0f}",
+                      f"{entry.estimate.peak / 2**30:.1f}")
+    out.print(table)
+    if len(result.ranked) > 8:
+        out.print(f"[dim]and {len(result.ranked) - 8} slower (--json lists them all)[/]")
+
+
+def print_throughputs(figures: Any) -> None:
+    """What `cpctl plan --calibrate` measured."""
+    out = _stdout()
+    out.print(f"[bold]{escape(figures.name)}[/]: {escape(figures.source)}")
+    table = Table(show_edge=False, show_header=False, box=None, padding=(0, 2))
+    table.add_column(style="dim")
+    table.add_column(justify="right")
+    rows = [("bf16 matmuls", f"{figures.matmul_tflops:g} TFLOP/s")]
+    rows += [(f"attention, head dim {dim}", f"forward {figures.attention_forward_tflops[dim]:g}, backward "
+              f"{figures.attention_backward_tflops[dim]:g} TFLOP/s") for dim in sorted(figures.attention_forward_tflops)]
+    rows += [("windows and documents", f"{figures.masked_attention_share:.0%} of the dense kernel's rate"),
+             ("elementwise over HBM", f"{figures.hbm_gbps:g} GB/s"), ("pinned copies over PCIe", f"{figures.pcie_gbps:g} GB/s"),
+             ("AdamW on the host", f"{figures.host_adam_params_per_s / 1e9:.2f} G parameters/s")]
+    for name, value in rows:
+        table.add_row(name, value)
+    out.print(table)
 
 
 def lora_line(model: Any, estimate: Any) -> str:

@@ -35,10 +35,16 @@ within 2% (one within 5%).
 What torch's peak does not count is added last: a fixed CUDA/NCCL overhead and the
 allocator's headroom (memory it holds in blocks it cannot reuse).
 
+Time: `timing.py` predicts a step's seconds by kernel class over a GPU's throughputs
+(`hardware.py`: built-in H200/H100 figures, or `cpctl plan --calibrate`'s, which `calibration.py`
+measures, the planner's one module that imports torch, and only when it runs); `ranking.py` ranks
+the layouts that fit by it.
+
 The modules, in the order they build on each other: `units` (GiB, dtype sizes, token lengths),
 `shapes` (the model), `setup` (the profile's layout and memory options, LoRA), `terms` (the
 memory, term by term), `fit` (whether it fits, how long a sequence does), `advice` (what to turn
-on), `plan` (everything `cpctl plan` prints).
+on), `hardware` and `timing` (how long a step takes), `ranking` (the layouts that fit, fastest
+first), `plan` (everything `cpctl plan` prints).
 """
 
 from cpctl.planner.advice import Suggestion, option_names, suggestions
@@ -55,7 +61,9 @@ from cpctl.planner.fit import (
     longest_fitting,
     peak_gib,
 )
+from cpctl.planner.hardware import BUILT_IN, H100, H200, Throughputs, throughputs_for
 from cpctl.planner.plan import GPU_COUNTS, Plan, all_free_options, make_plan
+from cpctl.planner.ranking import Ranked, rank_layouts
 from cpctl.planner.setup import (
     ALL_LINEAR,
     MEMORY_OPTIONS,
@@ -67,11 +75,13 @@ from cpctl.planner.setup import (
     resolve_setup,
 )
 from cpctl.planner.shapes import PRESETS, PROJECTIONS, ModelShape, load_model, model_from_hf_config
+from cpctl.planner.timing import StepTime, predict
 from cpctl.planner.terms import BLOCK_MOMENTS, FP32, MOMENTS, TERMS, Sizes, Term, host_memory
 from cpctl.planner.units import DTYPE_BYTES, GiB, format_tokens, parse_dtype, parse_number, parse_tokens
 
 __all__ = [
-    "ALLOCATOR_HEADROOM", "ALL_LINEAR", "BLOCK_MOMENTS", "CUDA_OVERHEAD_GIB", "DEFAULT_GPU_MEMORY_GIB", "DTYPE_BYTES", "FP32",
+    "ALLOCATOR_HEADROOM", "ALL_LINEAR", "BUILT_IN", "H100", "H200", "Ranked", "StepTime", "Throughputs", "predict",
+    "rank_layouts", "throughputs_for", "BLOCK_MOMENTS", "CUDA_OVERHEAD_GIB", "DEFAULT_GPU_MEMORY_GIB", "DTYPE_BYTES", "FP32",
     "GPU_COUNTS", "GiB", "MAX_GPUS", "MAX_TOKENS", "MEMORY_OPTIONS", "MOMENTS", "PRESETS", "PROJECTIONS", "TERMS",
     "WORKER_HOST_GIB", "Estimate", "Lora", "ModelShape", "Plan", "ResolvedSetup", "Setup", "Sizes", "Suggestion", "Term",
     "all_free_options", "available_options", "estimate", "format_tokens", "gpus_needed", "host_memory", "load_model",

@@ -17,10 +17,14 @@ from cpctl.planner.fit import (
     gpus_needed,
     longest_fitting,
 )
+from cpctl.planner.hardware import H200, Throughputs
 from cpctl.planner.layouts import Layout, choose_layout
+from cpctl.planner.ranking import Ranked, rank_layouts
 from cpctl.planner.setup import Setup
 from cpctl.planner.shapes import ModelShape
 from cpctl.planner.terms import Sizes
+from cpctl.planner.units import GiB
+from cpctl.planner.timing import StepTime, predict
 
 GPU_COUNTS = (1, 2, 4, 8, 16, 32)  # the rows of "longest sequence that fits"
 
@@ -39,6 +43,9 @@ class Plan:
     longest_sp: list[tuple[int, Layout, int]] = dataclasses.field(default_factory=list)  # (GPUs, sp x cp, longest)
     layout: Layout | None = None  # the suggested split of this setup's sequence ranks
     needed_sp: Estimate | None = None  # the fewest GPUs for the sequence split as sp x cp (Ulysses), these options
+    time: StepTime | None = None  # the step's predicted time with this setup
+    ranked: list[Ranked] = dataclasses.field(default_factory=list)  # the layouts that fit, fastest first
+    figures: Throughputs = H200  # whose throughputs timed it
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -56,6 +63,15 @@ class Plan:
             "all_options": self.all_options,
             "lora": self.lora_to_dict(),
             "calibration": {"cuda_overhead_gib": CUDA_OVERHEAD_GIB, "allocator_headroom": ALLOCATOR_HEADROOM},
+            "time": None if self.time is None else self.time.to_dict(),
+            "throughputs": {"name": self.figures.name, "source": self.figures.source},
+            "layouts_by_time": [{"layout": entry.label(), "sp": entry.setup.sp, "cp": entry.setup.cp,
+                                 "strategy": entry.setup.strategy,
+                                 "activation_checkpointing": entry.setup.activation_checkpointing,
+                                 "checkpoint_level": entry.setup.checkpoint_level,
+                                 "selective_blocks": entry.setup.selective_blocks,
+                                 "peak_gib": round(entry.estimate.peak / GiB, 2), **entry.time.to_dict()}
+                                for entry in self.ranked],
         }
 
     def lora_to_dict(self) -> dict[str, Any] | None:
@@ -75,7 +91,8 @@ def all_free_options(setup: Setup) -> dict[str, Any]:
 
 
 def make_plan(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: float = DEFAULT_GPU_MEMORY_GIB,
-              host_memory_gib: float | None = None, available: frozenset[str] = frozenset()) -> Plan:
+              host_memory_gib: float | None = None, available: frozenset[str] = frozenset(),
+              figures: Throughputs = H200, document_tokens: int | None = None) -> Plan:
     memory = {"gpu_memory_gib": gpu_memory_gib, "host_memory_gib": host_memory_gib}
     base = estimate(model, setup, seq_len, **memory)
     free = all_free_options(setup)
@@ -102,4 +119,6 @@ def make_plan(model: ModelShape, setup: Setup, seq_len: int, *, gpu_memory_gib: 
         longest=longest, needed=gpus_needed(model, setup, seq_len, **memory),
         needed_all=gpus_needed(model, better, seq_len, **memory) if free else None,
         all_options=free, needed_sp=gpus_needed(model, setup, seq_len, setup_for=ulysses, **memory),
+        time=predict(model, base.setup, seq_len, figures, document_tokens=document_tokens), figures=figures,
+        ranked=rank_layouts(model, setup, seq_len, figures, document_tokens=document_tokens, **memory),
     )

@@ -407,6 +407,7 @@ PRESETS: dict[str, ModelShape] = {
     "llama-3.2-3b": _llama("llama-3.2-3b", vocab=128256, dim=3072, layers=28, heads=24, kv_heads=8, ffn=8192,
                            tied=True),
     "llama-3.1-8b": _llama("llama-3.1-8b", vocab=128256, dim=4096, layers=32, heads=32, kv_heads=8, ffn=14336),
+    "llama-3.1-70b": _llama("llama-3.1-70b", vocab=128256, dim=8192, layers=80, heads=64, kv_heads=8, ffn=28672),
     **{name: model_from_hf_config(config, name=name) for name, config in _HUB_CONFIGS.items()},
 }
 
