@@ -27,9 +27,14 @@ def __getattr__(name: str) -> Any:
 
 
 def init(**overrides: Any) -> "Runtime":
-    """Start (or return) this process's cpctl runtime. See `cpctl.runtime.init`."""
+    """Start (or return) this process's cpctl runtime. See `cpctl.runtime.runtime.init`.
+
+    Here the built-in integrations register what they know with the runtime (which never
+    imports them): transformers models."""
+    from cpctl.integrations import huggingface
     from cpctl.runtime.runtime import init as _init
 
+    huggingface.register()
     return _init(**overrides)
 
 

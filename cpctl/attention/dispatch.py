@@ -16,11 +16,27 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from cpctl.errors import CpctlError
+from cpctl.upstream import Shape, shape_refusal
 
 _SDPA = F.scaled_dot_product_attention
 _MHA = F.multi_head_attention_forward
 # nn.MultiheadAttention's functional form calls SDPA through this module-level name.
 _MHA_SDPA_NAME = "scaled_dot_product_attention"
+# What routing it relies on: a Python function (its code is run again with private globals) that
+# takes need_weights (refused: weights are not SDPA's) and calls SDPA by that global name.
+_MHA_SHAPE = Shape(parameters=("need_weights",), reads=(_MHA_SDPA_NAME,))
+
+
+def _mha_refusal() -> str | None:
+    """None when this torch's MHA can be routed (see _MHA_SHAPE), else the one line saying why not."""
+    refusal = shape_refusal(F, _MHA.__name__, _MHA_SHAPE)
+    if refusal is None and getattr(_MHA, "__globals__", {}).get(_MHA_SDPA_NAME) is not _SDPA:
+        refusal = (f"torch.nn.functional.{_MHA.__name__} of torch {torch.__version__} calls another function by "
+                   f"the name {_MHA_SDPA_NAME}")
+    return refusal
+
+
+_MHA_REFUSAL = _mha_refusal()  # checked once, as this module loads; told when an MHA call is routed
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 # The attention mask cpctl hands a model that calls SDPA itself with the mask transformers
@@ -129,17 +145,14 @@ class RouteSDPA(TorchFunctionMode):
         function's own code runs here with private globals in which its SDPA name is this
         routing: one function object per call, nothing shared is changed.
         """
+        if _MHA_REFUSAL is not None:  # a torch whose MHA reaches SDPA another way
+            raise CpctlError(f"nn.MultiheadAttention cannot be routed under context parallelism: {_MHA_REFUSAL}")
         call = inspect.signature(_MHA).bind(*args, **kwargs)
         call.apply_defaults()
         if call.arguments["need_weights"]:
             raise CpctlError(
                 "nn.MultiheadAttention with need_weights=True under context parallelism computes attention "
                 "weights without SDPA and cannot be sharded; call it with need_weights=False"
-            )
-        if _MHA_SDPA_NAME not in func.__code__.co_names:  # a torch whose MHA reaches SDPA another way
-            raise CpctlError(
-                f"nn.MultiheadAttention of torch {torch.__version__} does not call scaled_dot_product_attention "
-                "by name; cpctl cannot route it under context parallelism"
             )
 
         def routed(*a, **k):

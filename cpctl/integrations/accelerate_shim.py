@@ -25,6 +25,7 @@ Then the script runs as `python SCRIPT ARGS` (or `python -m MODULE ARGS`) would 
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import os
@@ -37,6 +38,10 @@ from cpctl import config
 from cpctl.errors import CpctlError
 from cpctl.integrations import accelerate_sp, fsdp_saving, hf_loading, trainer
 from cpctl.integrations.patches import PATCHES
+from cpctl.upstream import Shape
+from cpctl.runtime.context import StepContext
+from cpctl.runtime.preparation import ModelPreparation
+from cpctl.runtime.runtime import Runtime, preparation, step_context
 from cpctl.versions import KNOWN_ACCELERATE, is_known
 
 
@@ -69,7 +74,7 @@ def _profile() -> config.Profile:
     return config.for_worker({}, environ=os.environ, cuda_devices=torch.cuda.device_count()).profile
 
 
-def install(profile: config.Profile, runtime: Any | None) -> None:
+def install(profile: config.Profile, runtime: Runtime | None) -> None:
     """Put cpctl's steps in front of accelerate's (runtime None: the native engine, checks only).
     Every change goes through the patch registry (cpctl.integrations.patches)."""
     try:
@@ -83,37 +88,42 @@ def install(profile: config.Profile, runtime: Any | None) -> None:
         raise CpctlError(f"accelerate {accelerate.__version__} is not a release cpctl knows ({', '.join(KNOWN_ACCELERATE)}): "
                          "the settings cpctl passes may be read differently; install one of those")
     PATCHES.replace(Accelerator, "__init__", lambda init: _checking_sizes(init, profile),
-                    why="the script's parallel sizes and strategy must be the profile's")
+                    why="the script's parallel sizes and strategy must be the profile's",
+                    needs=Shape(parameters=("parallelism_config", "mixed_precision"), uses=("parallelism_config",)))
     if runtime is None:
         return
     from accelerate.parallelism_config import ParallelismConfig
 
+    context = step_context(runtime)
+
     PATCHES.replace(ParallelismConfig, "__post_init__", accelerate_sp.sp_shown_as_cp,
-                    why="sp_size runs on cpctl's Ulysses: accelerate sees the cp x sp ranks as cp")
+                    why="sp_size runs on cpctl's Ulysses: accelerate sees the cp x sp ranks as cp",
+                    needs=accelerate_sp.POST_INIT_SHAPE)
     # `prepare` (FSDP2 prepares models without prepare_model) and `prepare_model` (which
     # `prepare` may call, and the Trainer calls alone to evaluate) both adopt the model, once.
     for name in ("prepare", "prepare_model"):
-        PATCHES.replace(Accelerator, name, lambda prepare: _adopting(prepare, runtime),
+        PATCHES.replace(Accelerator, name, lambda prepare: _adopting(prepare, preparation(runtime), main=runtime.is_main),
                         why="models get cpctl's preparation before accelerate wraps them")
 
     def cpctl_context_parallel(self, buffers=None, buffer_seq_dims=None, no_restore_buffers=None):
-        return runtime.maybe_context_parallel(buffers=list(buffers or []), buffer_seq_dims=list(buffer_seq_dims or []),
+        return context.maybe_context_parallel(buffers=list(buffers or []), buffer_seq_dims=list(buffer_seq_dims or []),
                                               no_restore_buffers=no_restore_buffers or ())
 
     # accelerate's own CP preparation binds PyTorch's context_parallel and hooks the model's
     # attention modules (dropping masks); cpctl's engine does neither.
     PATCHES.replace(Accelerator, "_prepare_cp", lambda original: lambda self, *args: args,
-                    why="no PyTorch context_parallel hooks on attention modules")
+                    why="no PyTorch context_parallel hooks on attention modules", needs=Shape(parameters=("args",)))
     PATCHES.replace(Accelerator, "maybe_context_parallel", lambda original: cpctl_context_parallel,
-                    why="rt.maybe_context_parallel: cpctl's engine")
-    if runtime.seq_size > 1:
-        PATCHES.replace(Accelerator, "gather_for_metrics", lambda original: _once_per_sequence(original, runtime),
-                        why="the CP ranks of a group hold the same samples: one copy each, as one process has")
-    trainer.install(runtime)
+                    why="rt.maybe_context_parallel: cpctl's engine",
+                    needs=Shape(parameters=("buffers", "buffer_seq_dims", "no_restore_buffers")))
+    if context.mesh.seq_enabled:
+        _install_once_per_sequence(Accelerator, context)
+    trainer.install(context)
     fsdp_saving.install_accelerate()
     hf_loading.install(runtime)
     for state in (PartialState, AcceleratorState):
-        PATCHES.replace(state, "destroy_process_group", _closing, why="teardown as cpctl's exit does it")
+        PATCHES.replace(state, "destroy_process_group", _closing, why="teardown as cpctl's exit does it",
+                        needs=Shape(parameters=("group",)))
     if profile.launch.device == "cpu":
         _fsdp_on_cpu()
 
@@ -141,10 +151,25 @@ def _checking_sizes(init: Any, profile: config.Profile) -> Any:
     return checked_init
 
 
-ADOPTED = "_cpctl_adopted"  # set on a model cpctl has prepared, so a second prepare leaves it alone
+ADOPTED = "adopted"  # noted (patch registry) for a model cpctl has prepared, so a second prepare leaves it alone
 
 
-def _adopting(prepare: Any, runtime: Any) -> Any:
+def _adopted(model: Any) -> bool:
+    """Whether cpctl prepared this model, or the model a wrapper forwards to (torch.compile's
+    `_orig_mod`, peft's base model): a wrapper built around a prepared model is not prepared again."""
+    seen: set[int] = set()
+    while model is not None and id(model) not in seen:
+        if PATCHES.noted(model, ADOPTED, False):
+            return True
+        seen.add(id(model))
+        inner = getattr(model, "_orig_mod", None)
+        if inner is None and callable(getattr(type(model), "get_base_model", None)):
+            inner = model.get_base_model()
+        model = inner
+    return False
+
+
+def _adopting(prepare: Any, steps: ModelPreparation, *, main: bool) -> Any:
     """`prepare` (or `prepare_model`) with the models among its arguments made ready by cpctl
     before accelerate wraps them, and finished after."""
     import torch
@@ -153,14 +178,13 @@ def _adopting(prepare: Any, runtime: Any) -> Any:
 
     @functools.wraps(prepare)
     def adopting(self, *args, **kwargs):
-        fresh = [a for a in (*args, *kwargs.values())
-                 if isinstance(a, torch.nn.Module) and not getattr(a, ADOPTED, False)]
+        fresh = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.nn.Module) and not _adopted(a)]
         for model in fresh:
-            runtime.ready_model(model)
-            if runtime.config.fsdp.version == 2:  # fp32 master weights whatever accelerate's mixed_precision
-                master_weights_for_fsdp(model, master_weights=runtime.config.fsdp.master_weights, main=runtime.is_main,
+            steps.before_fsdp(model)
+            if steps.config.fsdp.version == 2:  # fp32 master weights whatever accelerate's mixed_precision
+                master_weights_for_fsdp(model, master_weights=steps.config.fsdp.master_weights, main=main,
                                         placeholders=hf_loading.has_placeholders(model))
-            setattr(model, ADOPTED, True)
+            PATCHES.note(model, ADOPTED, True)
         plugin = getattr(self.state, "fsdp_plugin", None)
         was = getattr(plugin, "cpu_ram_efficient_loading", None)
         if plugin is not None and any(hf_loading.sends_from_rank0(model) for model in fresh):
@@ -173,33 +197,32 @@ def _adopting(prepare: Any, runtime: Any) -> Any:
             if plugin is not None:
                 plugin.cpu_ram_efficient_loading = was
         for model in fresh:
-            runtime.finish_model(model)
+            steps.after_fsdp(model)
             hf_loading.filled(model)
         for item in prepared if isinstance(prepared, tuple) else (prepared,):
             if isinstance(item, torch.nn.Module):
-                setattr(item, ADOPTED, True)  # a wrapper (DDP) passed back in later
+                PATCHES.note(item, ADOPTED, True)  # a wrapper (DDP) passed back in later
         return prepared
 
     return adopting
 
 
-def _once_per_sequence(gather_for_metrics: Any, runtime: Any) -> Any:
+# The Accelerator whose gather_for_metrics is running in this context: its `gather` keeps one CP rank per group.
+_GATHERING_FOR_METRICS: contextvars.ContextVar[Any] = contextvars.ContextVar("gathering_for_metrics", default=None)
+
+
+def _install_once_per_sequence(accelerator_class: type, context: StepContext) -> None:
     """accelerate's gather_for_metrics gathers from every process, and at the end of a data loader
     keeps the first `remainder` samples: under CP every sample came once per CP rank, so the
     weights of the batches (and what the truncation keeps) would not be one process's. Here the
-    gathered data keeps one CP rank per group. Inside a sharded step a scalar is one shard's part
-    (a count, a sum: TRL's token metrics) and is summed over the CP group first."""
+    data its `gather` returns keeps one CP rank per group. Inside a sharded step a scalar is one
+    shard's part (a count, a sum: TRL's token metrics) and is summed over the CP group first."""
     import torch
     import torch.distributed as dist
     from accelerate.utils import recursively_apply
 
-    grid, names = runtime.mesh.mesh, list(runtime.mesh.mesh_dim_names)
-    for axis in ("sp", "cp"):  # one rank per sequence: the first of its cp x sp ranks
-        if axis in names:
-            grid = grid.select(names.index(axis), 0)
-            names.remove(axis)
-    leaders = sorted(grid.flatten().tolist())
-    world = runtime.world_size
+    leaders = context.mesh.sequence_leaders()  # one rank per sequence: the first of its cp x sp ranks
+    world = context.mesh.root.mesh.numel()
 
     def leaders_only(data: Any) -> Any:
         return data.view(world, -1, *data.shape[1:])[leaders].flatten(0, 1)
@@ -209,7 +232,7 @@ def _once_per_sequence(gather_for_metrics: Any, runtime: Any) -> Any:
             raise CpctlError(f"gather_for_metrics of a {tuple(tensor.shape)} tensor inside maybe_context_parallel: it "
                              "holds one shard of the sequence; gather it after the context (or rt.unshard it first)")
         total = tensor.detach().clone()
-        dist.all_reduce(total, group=runtime.seq_group)
+        dist.all_reduce(total, group=context.seq_group)
         return total
 
     def tensors_only(data: Any) -> bool:
@@ -219,21 +242,35 @@ def _once_per_sequence(gather_for_metrics: Any, runtime: Any) -> Any:
             return False
         return True
 
-    @functools.wraps(gather_for_metrics)
-    def gathered_once(self, input_data, use_gather_object=False):
-        if use_gather_object or not tensors_only(input_data):  # accelerate would gather objects, once per rank
-            raise CpctlError("gather_for_metrics of Python objects under context parallelism: cpctl keeps one copy "
-                             "per CP group of tensors only; gather tensors (eval_use_gather_object=False)")
-        if runtime.cp_active:
-            input_data = recursively_apply(summed_over_cp, input_data)
-        gather = self.gather
-        self.gather = lambda data: recursively_apply(leaders_only, gather(data))
-        try:
-            return gather_for_metrics(self, input_data, use_gather_object=False)
-        finally:
-            del self.gather
+    def once_per_sequence(gather_for_metrics: Any) -> Any:
+        @functools.wraps(gather_for_metrics)
+        def gathered_once(self, input_data, use_gather_object=False):
+            if use_gather_object or not tensors_only(input_data):  # accelerate would gather objects, once per rank
+                raise CpctlError("gather_for_metrics of Python objects under context parallelism: cpctl keeps one "
+                                 "copy per CP group of tensors only; gather tensors (eval_use_gather_object=False)")
+            if context.cp_active:
+                input_data = recursively_apply(summed_over_cp, input_data)
+            token = _GATHERING_FOR_METRICS.set(self)
+            try:
+                return gather_for_metrics(self, input_data, use_gather_object=False)
+            finally:
+                _GATHERING_FOR_METRICS.reset(token)
 
-    return gathered_once
+        return gathered_once
+
+    def leaders_inside_metrics(gather: Any) -> Any:
+        @functools.wraps(gather)
+        def gathered(self, tensor):
+            data = gather(self, tensor)
+            return recursively_apply(leaders_only, data) if _GATHERING_FOR_METRICS.get() is self else data
+
+        return gathered
+
+    PATCHES.replace(accelerator_class, "gather_for_metrics", once_per_sequence,
+                    why="the CP ranks of a group hold the same samples: one copy each, as one process has",
+                    needs=Shape(parameters=("input_data", "use_gather_object"), reads=("gather",)))
+    PATCHES.replace(accelerator_class, "gather", leaders_inside_metrics,
+                    why="inside gather_for_metrics: one CP rank's copy per group", needs=Shape(parameters=("tensor",)))
 
 
 def _fsdp_on_cpu() -> None:
@@ -257,7 +294,9 @@ def _fsdp_on_cpu() -> None:
 
         return init_with_fsdp
 
-    PATCHES.replace(AcceleratorState, "__init__", fsdp_too, why="FSDP2 on the CPU (gloo), as on GPUs")
+    PATCHES.replace(AcceleratorState, "__init__", fsdp_too, why="FSDP2 on the CPU (gloo), as on GPUs",
+                    needs=Shape(parameters=("fsdp_plugin",),
+                                reads=("distributed_type", "_mixed_precision", "fsdp_plugin")))
 
 
 def _closing(destroy: Any) -> Any:

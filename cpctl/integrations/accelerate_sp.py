@@ -7,8 +7,8 @@ other tokens of the same batch, so FSDP shards over it, the data loader gives it
 batch and the loss is averaged over it. So accelerate is shown cp x sp ranks as its own cp axis
 (consecutive ranks, in the order of cpctl's mesh: accelerate flattens them exactly as cpctl
 does), and behind `maybe_context_parallel` cpctl's runtime splits them into Ulysses and the
-ring. The sizes the script asked for stay on the config (`requested`), for the check against
-the profile.
+ring. The sizes the script asked for are noted for the config in the patch registry
+(`requested`), for the check against the profile.
 
 Installed by cpctl.integrations.accelerate_shim (which gates accelerate's release first), on
 cpctl's engine only; the shim installs `sp_shown_as_cp` in cpctl's patch registry (undone with the rest).
@@ -21,7 +21,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-REQUESTED = "_cpctl_requested_sizes"  # the cp and sp sizes the script's config asked for
+from cpctl.integrations.patches import PATCHES
+from cpctl.upstream import Shape
+
+REQUESTED = "requested sizes"  # the cp and sp sizes the script's config asked for, noted in the registry
+# accelerate's __post_init__ reads the sizes this one sets before it (and validates them)
+POST_INIT_SHAPE = Shape(reads=("cp_size", "sp_size"))
 
 
 def sp_shown_as_cp(original: Callable[[Any], None]) -> Callable[[Any], None]:
@@ -33,14 +38,14 @@ def sp_shown_as_cp(original: Callable[[Any], None]) -> Callable[[Any], None]:
         if isinstance(sp, int) and sp > 1 and isinstance(cp, int) and cp >= 1:
             self.cp_size, self.sp_size = cp * sp, 1
         original(self)
-        setattr(self, REQUESTED, {"cp_size": cp, "sp_size": sp})
+        PATCHES.note(self, REQUESTED, {"cp_size": cp, "sp_size": sp})
 
     return post_init
 
 
 def requested(parallelism_config: Any) -> dict[str, Any]:
     """The cp and sp sizes a config was asked for, before cpctl showed them to accelerate as cp."""
-    return dict(getattr(parallelism_config, REQUESTED, {}))
+    return dict(PATCHES.noted(parallelism_config, REQUESTED, {}))
 
 
 def _size(value: Any, name: str) -> Any:

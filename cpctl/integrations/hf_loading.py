@@ -26,6 +26,7 @@ from torch import nn
 
 from cpctl.integrations.patches import PATCHES
 from cpctl.runtime import loading
+from cpctl.runtime.runtime import Runtime
 
 # What building from the config takes as from_pretrained does; any other argument: transformers' own load.
 # (The hub's arguments and the Auto classes' own mark change nothing for a local directory.)
@@ -38,7 +39,7 @@ _sent_from_rank0: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose
 _empty: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
 
 
-def install(runtime: Any) -> None:
+def install(runtime: Runtime) -> None:
     """On the accelerate route with several ranks and FSDP2 (cpctl.integrations.accelerate_shim)."""
     from transformers import PreTrainedModel
 
@@ -49,7 +50,7 @@ def install(runtime: Any) -> None:
                     why="a checkpoint is read by rank 0 only; accelerate's FSDP2 preparation sends the shards")
 
 
-def _reading_once(from_pretrained: Any, runtime: Any) -> Any:
+def _reading_once(from_pretrained: Any, runtime: Runtime) -> Any:
     @functools.wraps(from_pretrained)
     def read_once(cls, pretrained_model_name_or_path, *args, **kwargs):
         path = Path(str(pretrained_model_name_or_path))

@@ -20,12 +20,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from cpctl.errors import CpctlError
+from cpctl.runtime.padding import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from cpctl.integrations.runtime_view import RuntimeView
     from cpctl.runtime.step import HiddenKeys
-
-IGNORE_INDEX = -100
 
 
 def adapt(kwargs: dict, runtime: RuntimeView, *, local_len: int, device: torch.device) -> None:

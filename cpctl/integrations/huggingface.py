@@ -58,7 +58,10 @@ from cpctl import topology
 from cpctl.errors import CpctlError
 from cpctl.integrations import fsdp_saving
 from cpctl.integrations.patches import PATCHES
-from cpctl.runtime import losses
+from cpctl.upstream import module_uses
+from cpctl.runtime import adapters, losses
+from cpctl.runtime.mesh import Axis
+from cpctl.runtime.padding import IGNORE_INDEX
 
 if TYPE_CHECKING:
     from cpctl.integrations.runtime_view import RuntimeView
@@ -67,7 +70,6 @@ IMPLEMENTATION = "cpctl"
 # Layer kinds (config.layer_types) that call the attention function; anything else mixes
 # tokens some other way (linear attention, state spaces, convolutions) that CP cannot shard.
 ATTENTION_LAYERS = ("full_attention", "sliding_attention", "chunked_attention")
-IGNORE_INDEX = -100
 _log = logging.getLogger("cpctl")
 
 
@@ -83,6 +85,30 @@ def huggingface_model_in(model: nn.Module) -> nn.Module | None:
     get_base_model = getattr(model, "get_base_model", None)  # peft.PeftModel (and its task subclasses)
     inner = get_base_model() if callable(get_base_model) and "peft" in sys.modules else None
     return inner if isinstance(inner, PreTrainedModel) else None
+
+
+class HuggingFaceAdapter:
+    """transformers models as the runtime's preparation and losses ask for them (runtime/adapters.py)."""
+
+    def model_in(self, model: nn.Module) -> nn.Module | None:
+        return huggingface_model_in(model)
+
+    def prepare(self, model: nn.Module, context: RuntimeView) -> bool:
+        return prepare(model, context).had_checkpointing
+
+    def unprepared_refused(self) -> contextlib.AbstractContextManager:
+        return unprepared_models_refused()
+
+    def causal_lm_loss_sum(self, model: nn.Module, context: RuntimeView, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return causal_lm_loss_sum(model, context, **kwargs)
+
+
+ADAPTER = HuggingFaceAdapter()
+
+
+def register() -> None:
+    """Make transformers models known to the runtime: `cpctl.init` calls it."""
+    adapters.register(ADAPTER)
 
 
 # ---------------------------------------------------------------------------- before the first step
@@ -111,7 +137,7 @@ def prepare(model: nn.Module, runtime: RuntimeView) -> PreparedModel:
             calls_sdpa = problem is None
     if problem is not None:
         problem = f"{type(model).__name__} cannot run under context parallelism: {problem}"
-        if runtime.seq_size > 1:
+        if runtime.mesh.seq_enabled:
             raise CpctlError(problem)
         # cp_size 1: outside the context the model is transformers' own; inside, refused as under CP.
         _log.info("%s keeps transformers' attention (refused inside maybe_context_parallel): %s",
@@ -139,11 +165,7 @@ def _sdpa_call_problem(model: nn.Module) -> str | None:
     if config._attn_implementation != "sdpa":
         return (f"its attention is {config._attn_implementation!r} and it does not take transformers' "
                 "AttentionInterface; build it with attn_implementation=\"sdpa\"")
-    try:
-        source = inspect.getsource(sys.modules[type(model).__module__])
-    except (KeyError, OSError, TypeError):
-        source = ""
-    if "scaled_dot_product_attention(" not in source:
+    if not module_uses(sys.modules.get(type(model).__module__), "scaled_dot_product_attention"):
         return ("it neither takes transformers' AttentionInterface nor calls scaled_dot_product_attention, "
                 "so cpctl cannot see its attention; run it outside maybe_context_parallel, at cp_size 1")
     if getattr(config, "alibi", False):
@@ -450,7 +472,7 @@ class PreparedModel:
         if shifted is None:
             shifted = runtime.shift_sharded(kwargs["labels"], ignore_index=IGNORE_INDEX)
         if kwargs.get("num_items_in_batch") is not None:
-            if runtime.seq_size > 1 and not runtime.caller_counts_tokens:
+            if runtime.mesh.seq_enabled and not runtime.caller_counts_tokens:
                 raise CpctlError("num_items_in_batch under context parallelism: leave it out, cpctl averages over every "
                                  "token of the dp x cp batch (a count made before sharding counts each token once per "
                                  "CP rank)")
@@ -478,7 +500,8 @@ class PreparedModel:
             return None
         # This shard's sum becomes the batch's token mean on every rank, with the gradient that
         # FSDP's average over the dp x cp ranks makes the single-process one.
-        loss = losses.token_mean(loss_sum, forward.shifted_labels, group=runtime.axes["dp_cp"], ignore_index=IGNORE_INDEX)
+        loss = losses.token_mean(loss_sum, forward.shifted_labels, group=runtime.mesh.axes[Axis.DP_CP],
+                                 ignore_index=IGNORE_INDEX)
         if as_tuple:
             return (loss, *output[1:])
         output.loss = loss
@@ -488,10 +511,11 @@ class PreparedModel:
 # ---------------------------------------------------------------------------- a loss without full logits
 
 
-def causal_lm_loss(model: nn.Module, runtime: RuntimeView, *, input_ids: torch.Tensor, labels: torch.Tensor,
-                   chunk_tokens: int, **kwargs: Any) -> torch.Tensor:
-    """The model's causal-LM loss (the global token mean) from its final hidden states and its
-    output embedding, chunk by chunk: the full logits are never built. `labels` as for
+def causal_lm_loss_sum(model: nn.Module, runtime: RuntimeView, *, input_ids: torch.Tensor, labels: torch.Tensor,
+                       chunk_tokens: int, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's causal-LM loss summed over this rank's tokens, from its final hidden states and
+    its output embedding, chunk by chunk: the full logits are never built; and the shifted labels
+    it counted (the runtime's step_losses makes the two the global token mean). `labels` as for
     `model(labels=...)`: unshifted, sharded like `input_ids` under CP."""
     head = model.get_output_embeddings()
     decoder = _decoder(model)
@@ -512,7 +536,7 @@ def causal_lm_loss(model: nn.Module, runtime: RuntimeView, *, input_ids: torch.T
     loss_sum = losses.chunked_linear_cross_entropy(hidden, head.weight, shifted, bias=head.bias,
                                                    chunk_tokens=chunk_tokens, ignore_index=IGNORE_INDEX,
                                                    transform=transform)
-    return runtime.token_mean(loss_sum, shifted)
+    return loss_sum, shifted
 
 
 def _decoder(model: nn.Module) -> nn.Module | None:

@@ -1,30 +1,29 @@
 """The runtime as the Hugging Face integration sees it: exactly the members it uses.
 
-The runtime imports the integrations (it prepares a transformers model itself), so they name
-its type through this Protocol instead of importing it: `cpctl.runtime.runtime.Runtime`
-satisfies it, and nothing here imports upward.
+The integration is handed the runtime's step context (`cpctl.runtime.context.StepContext`,
+through its adapter: runtime/adapters.py), never the user's `Runtime`. It names that object's
+type through this Protocol, so that a test can hand it a stand-in of one process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     import torch
-    from torch.distributed.device_mesh import DeviceMesh
 
     from cpctl.config import Profile
+    from cpctl.runtime.mesh import ParallelMesh
     from cpctl.runtime.padding import EndPadding
     from cpctl.runtime.step import HiddenKeys
 
 
 class RuntimeView(Protocol):
-    """What huggingface.py and hf_padding.py call on the runtime handed to them."""
+    """What huggingface.py and hf_padding.py call on the step context handed to them."""
 
     config: Profile
-    axes: Mapping[str, DeviceMesh]
-    caller_counts_tokens: bool  # inside rt.caller_counts_loss_tokens()
+    mesh: ParallelMesh
+    caller_counts_tokens: bool  # inside caller_counts_loss_tokens()
     attention_calls: int  # calls of the CP engine so far
 
     @property
@@ -54,5 +53,3 @@ class RuntimeView(Protocol):
     def step_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **options: Any) -> torch.Tensor: ...
 
     def shift_sharded(self, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor: ...
-
-    def token_mean(self, loss_sum: torch.Tensor, labels: torch.Tensor, *, ignore_index: int = -100) -> torch.Tensor: ...

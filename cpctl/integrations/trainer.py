@@ -29,11 +29,13 @@ import sys
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cpctl.errors import CpctlError
 from cpctl.integrations import huggingface
 from cpctl.integrations.patches import PATCHES, require_known
 from cpctl.runtime import losses
+from cpctl.runtime.context import StepContext
 from cpctl.runtime.padding import IGNORE_INDEX, POSITIONS
 from cpctl.runtime.parallelize import fsdp2
 from cpctl.versions import KNOWN_TRANSFORMERS
@@ -42,28 +44,28 @@ from cpctl.versions import KNOWN_TRANSFORMERS
 PAD_BY_NAME = {"labels": IGNORE_INDEX, "shift_labels": IGNORE_INDEX, "attention_mask": 0, "position_ids": POSITIONS}
 
 
-def install(runtime: Any) -> None:
-    """Adapt transformers' Trainer (if installed) to cpctl's engine for `runtime`."""
+def install(context: StepContext) -> None:
+    """Adapt transformers' Trainer (if installed) to cpctl's engine for this step context."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
         return
     from transformers import Trainer, TrainingArguments
 
-    PATCHES.replace(TrainingArguments, "__post_init__", lambda original: _precision_checked(original, runtime.config),
+    PATCHES.replace(TrainingArguments, "__post_init__", lambda original: _precision_checked(original, context.config),
                     why="the script's bf16/fp16 must be the profile's mixed precision")
 
     if getattr(Trainer, "_prepare_context_parallel_inputs", None) is None:
         return  # a Trainer without context parallelism: nothing to adapt
-    if runtime.seq_size > 1:
+    if context.mesh.seq_enabled:
         require_known("transformers", KNOWN_TRANSFORMERS, what="the Trainer under context parallelism")
-    PATCHES.replace(Trainer, "_prepare_context_parallel_inputs", lambda original: _sharding(original, runtime),
+    PATCHES.replace(Trainer, "_prepare_context_parallel_inputs", lambda original: _sharding(original, context),
                     why="shards through cpctl's engine, padding by name; no sdpa-name check for cpctl's attention")
-    PATCHES.replace(Trainer, "compute_loss", lambda original: _counting(original, runtime),
+    PATCHES.replace(Trainer, "compute_loss", lambda original: _counting(original, context),
                     why="the Trainer's token count is exact under CP; CP ranks' evaluation losses averaged")
-    PATCHES.replace(Trainer, "prediction_step", lambda original: predicting(original, runtime),
+    PATCHES.replace(Trainer, "prediction_step", lambda original: predicting(original, context),
                     why="logits of a sharded step gathered in token order for metrics")
-    PATCHES.replace(Trainer, "__init__", lambda original: _noticing_trl(original, runtime),
+    PATCHES.replace(Trainer, "__init__", lambda original: _noticing_trl(original, context),
                     why="a TRL trainer gets TRL's adaptations")
 
 
@@ -84,71 +86,72 @@ def _precision_checked(post_init: Any, profile: Any) -> Any:
     return checked
 
 
-def _sharding(prepare_inputs: Any, runtime: Any) -> Any:
+def _sharding(prepare_inputs: Any, context: StepContext) -> Any:
     @functools.wraps(prepare_inputs)
     def sharding(self, model, inputs):
         config = getattr(self.accelerator.unwrap_model(model), "config", None)
         cpctl_attention = getattr(config, "_attn_implementation", None) == huggingface.IMPLEMENTATION
-        context, inputs = prepare_inputs(self, None if cpctl_attention else model, inputs)
-        buffers = getattr(context, "keywords", {}).get("buffers")
+        trainer_context, inputs = prepare_inputs(self, None if cpctl_attention else model, inputs)
+        buffers = getattr(trainer_context, "keywords", {}).get("buffers")
         if buffers is None:  # CP is off: the Trainer's own null context
-            return context, inputs
+            return trainer_context, inputs
         names = {id(tensor): name for name, tensor in inputs.items() if isinstance(tensor, torch.Tensor)}
         pad_values = [PAD_BY_NAME.get(names.get(id(buffer))) for buffer in buffers]
-        return functools.partial(runtime.maybe_context_parallel, buffers=buffers,
-                                 buffer_seq_dims=context.keywords["buffer_seq_dims"],
-                                 no_restore_buffers=context.keywords["no_restore_buffers"],
+        return functools.partial(context.maybe_context_parallel, buffers=buffers,
+                                 buffer_seq_dims=trainer_context.keywords["buffer_seq_dims"],
+                                 no_restore_buffers=trainer_context.keywords["no_restore_buffers"],
                                  pad_values=pad_values), inputs
 
     return sharding
 
 
-def _counting(compute_loss: Any, runtime: Any) -> Any:
+def _counting(compute_loss: Any, context: StepContext) -> Any:
     @functools.wraps(compute_loss)
     def counted_by_the_trainer(self, model, *args, **kwargs):
-        if model.training and runtime.world_size > 1 and not averages_gradients(model):
-            raise CpctlError(f"the Trainer trains a model that no DDP or FSDP wraps, on {runtime.world_size} processes: "
+        world_size = dist.get_world_size()
+        if model.training and world_size > 1 and not averages_gradients(model):
+            raise CpctlError(f"the Trainer trains a model that no DDP or FSDP wraps, on {world_size} processes: "
                              "their gradients would never be averaged (transformers skips the wrapping when "
                              "trainer.evaluate() runs before trainer.train()); call train() first")
-        with runtime.caller_counts_loss_tokens():
+        with context.caller_counts_loss_tokens():
             result = compute_loss(self, model, *args, **kwargs)
-        if model.training or runtime.seq_size == 1:
+        if model.training or not context.mesh.seq_enabled:
             return result
         loss = result[0] if isinstance(result, tuple) else result
-        loss = cp_mean(runtime, loss)
+        loss = cp_mean(context, loss)
         return (loss, *result[1:]) if isinstance(result, tuple) else loss
 
     return counted_by_the_trainer
 
 
-def cp_mean(runtime: Any, loss: torch.Tensor) -> torch.Tensor:
+def cp_mean(context: StepContext, loss: torch.Tensor) -> torch.Tensor:
     """Each CP rank's loss covers its shard (scaled by the Trainer by the number of ranks):
     their mean is the batch's loss, given to every CP rank."""
-    mean, _ = losses.mean_over_ranks(loss, 1, group=runtime.seq_group)
+    mean, _ = losses.mean_over_ranks(loss, 1, group=context.seq_group)
     return mean.to(loss.dtype)
 
 
-def predicting(prediction_step: Any, runtime: Any) -> Any:
+def predicting(prediction_step: Any, context: StepContext) -> Any:
     """`prediction_step` whose logits, when the step was sharded, are gathered back whole."""
     @functools.wraps(prediction_step)
     def predicted_whole(self, model, inputs, *args, **kwargs):
-        before = runtime.last_step
+        before = context.last_step
         loss, logits, labels = prediction_step(self, model, inputs, *args, **kwargs)
-        step = runtime.last_step
-        if logits is not None and step is not before and runtime.seq_size > 1:
+        step = context.last_step
+        if logits is not None and step is not before and context.mesh.seq_enabled:
             logits = step.unshard_results(logits)
         return loss, logits, labels
 
     return predicted_whole
 
 
-def _noticing_trl(init: Any, runtime: Any) -> Any:
+def _noticing_trl(init: Any, context: StepContext) -> Any:
     @functools.wraps(init)
     def init_noticing_trl(self, *args, **kwargs):
         if "trl" in sys.modules and any(cls.__module__.startswith("trl.") for cls in type(self).__mro__):
             from cpctl.integrations import trl
 
-            trl.install(runtime)
+            trl.install(context)
         return init(self, *args, **kwargs)
 
     return init_noticing_trl

@@ -1,10 +1,10 @@
 """Turning a plain model into a parallel one: tensor parallelism, activation checkpointing, FSDP2.
 
-Order matters and follows torchtitan: TP first (it rewrites Linear weights into DTensors on
-the tp axis), then activation checkpointing around each block, then FSDP2 `fully_shard` on
-every transformer block and finally the root, over the (dp_replicate,) dp_shard*cp axes.
-CP ranks hold different tokens of the same sequences, so for FSDP they are data-parallel
-ranks: parameters are sharded over them too. Trainable parameters are sharded as fp32 master
+The steps themselves; their order (torchtitan's: TP first, as it rewrites Linear weights into
+DTensors on the tp axis, then checkpointing around each block, then FSDP2 `fully_shard` on
+every block and finally the root) is runtime/preparation.py's. FSDP shards over the
+(dp_replicate,) dp_shard*cp axes: CP ranks hold different tokens of the same sequences, so for
+FSDP they are data-parallel ranks, and parameters are sharded over them too. Trainable parameters are sharded as fp32 master
 weights whatever dtype they arrive in (fsdp.master_weights); compute runs in mixed_precision's.
 """
 
