@@ -1,10 +1,21 @@
-"""Shared fixtures (`isolated` gives a test its own cwd and a clean cpctl environment) and the
-test tiers: `pytest` runs the quick tier (every pure and in-process test, and one real launch
-per capability); `pytest --full` adds the tests marked `full` (the rest of the launch matrices)."""
+"""Shared fixtures and the test tiers.
+
+`isolated` gives a test its own cwd and a clean cpctl environment. `pools` is the session's
+long-lived gloo worker processes (tests/pool.py), one pool per process count: tests whose subject
+runs inside the workers (engine numerics, runtime and Hugging Face equality checks) run their
+worker scripts there, with the profile `cpctl launch` would give, instead of paying an
+`import torch` (and transformers) per process per launch; what the launcher itself does is tested
+with real `cpctl launch` runs.
+
+Tiers: `pytest` runs the quick tier (every pure and in-process test, and per capability at least
+one real multi-process run); `pytest --full` adds the tests marked `full` at the test
+(`@pytest.mark.full`, or `launching.tiered` for the rest of a launch matrix).
+Measured 2026-12-03 on 2 cores shared with other test runs: the quick tier 449 s (load average 3
+to 9; the same selection took 1168 s under like load before the pools), the full tier 1369 s
+(load average 2 to 18; 29 minutes idle before the pools)."""
 
 from __future__ import annotations
 
-import fnmatch
 import os
 import sys
 from pathlib import Path
@@ -45,50 +56,15 @@ def tiny_hub(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-# The full tier only: the rest of each launch matrix, beyond one case per capability (node-id
-# patterns). The quick tier keeps, per capability, the case that exercises it most directly.
-FULL_TIER_ONLY = (
-    "tests/test_faults.py::test_the_launcher_names_the_root_cause_from_the_reports_workers_wrote",  # 2 workers failing
-    "tests/test_engine.py::*[4*",                                   # world 4 (world 2 stays)
-    "tests/test_training.py::test_launched_losses_equal_the_single_process_losses[[]c*-*",  # cp2 stays
-    "tests/test_training.py::test_launched_losses_equal_the_single_process_losses[[]cp4]",
-    "tests/test_training.py::test_launched_losses_equal_the_single_process_losses[[]dp2-*",
-    "tests/test_training.py::test_launched_losses_equal_the_single_process_losses[[]tp2-*",
-    "tests/test_training.py::test_launched_losses_equal_the_single_process_losses[[]hsdp2-*",
-    "tests/test_huggingface.py::test_hf_llama_logits_and_gradients_equal_a_plain_step[[]cp2-*",  # cp1, cp2 stay
-    "tests/test_huggingface.py::test_hf_llama_logits_and_gradients_equal_a_plain_step[[]tp2]",
-    "tests/test_packed.py::test_packed_training_equals_the_documents_one_by_one[[]cp2-alltoall]",
-    "tests/test_packed.py::test_packed_training_equals_the_documents_one_by_one[[]cp4-*",
-    "tests/test_hf_zoo.py::*[[]cp2-alltoall-*",                     # the zoo at cp2 allgather stays
-    "tests/test_hf_zoo.py::*[[]cp1-*",
-    "tests/test_accelerate.py::test_the_guide_loop_under_cp_gives_the_one_process_losses[[]cp2-*",
-    "tests/test_accelerate.py::test_the_guide_loop_under_cp_gives_the_one_process_losses[[]sp2-dp2-script]",
-    # the guide's loop stays at sp2-cp2 (CP and Ulysses); its flags are read in test_accelerate_flags' dry runs
-    "tests/test_accelerate.py::test_the_guide_loop_under_cp_gives_the_one_process_losses[[]cp2]",
-    "tests/test_accelerate.py::test_the_guide_loop_under_cp_gives_the_one_process_losses[[]accelerate-flags]",
-    "tests/test_accelerate.py::test_a_trainer_under_cp_gives_the_one_process_losses",  # run_clm's Trainer stays
-    "tests/test_checkpointing.py::test_a_second_backward_recomputes_exactly[[]full]",  # [selective] stays
-    # a checkpoint that cannot be written: the unwritable directory stays
-    "tests/test_checkpoint.py::test_a_full_disk_is_one_line_and_the_latest_complete_checkpoint_stays",
-    "tests/test_accelerate.py::test_what_the_script_and_the_launch_both_set_must_agree[[]cp_size]",
-    "tests/test_accelerate.py::test_what_the_script_and_the_launch_both_set_must_agree[[]strategy]",
-    "tests/test_accelerate.py::test_what_the_script_and_the_launch_both_set_must_agree[[]precision]",
-    "tests/test_accelerate.py::test_nd_parallel_trainer_and_its_bf16",
-    "tests/test_accelerate.py::test_a_model_prepared_twice_is_adopted_once",
-    "tests/test_accelerate.py::test_evaluating_before_training_is_accelerates_one_line_as_on_gpus",
-    "tests/test_ulysses_runtime.py::*[[]sp4*",                      # sp 2 x cp 2 stays
-    "tests/test_ulysses_runtime.py::*[[]sp2-cp2-alltoall*",
-    "tests/test_ulysses_runtime.py::*[[]sp2-dp_shard2*",
-    "tests/test_trl.py::*",                                          # TRL's real sft script: slow to start
-    "tests/test_accelerate.py::test_nd_parallel_with_its_cp_config_gives_the_one_process_losses",
-    "tests/test_accelerate.py::test_what_the_script_and_the_launch_both_set_must_agree[[]sizes]",
-    "tests/test_faults.py::test_a_killed_rank_is_restarted_and_the_run_resumes[[]1]",
-    "tests/test_faults.py::test_a_killed_rank_is_restarted_and_the_run_resumes[[]2]",
-    "tests/test_checkpoint.py::test_a_checkpoint_saved_at_cp2_dp2_resumes_at_cp4",
-    "tests/test_checkpoint.py::test_an_asynchronous_checkpoint_resumes_like_a_blocking_one",
-    "tests/test_launch.py::test_two_nodes_on_loopback",
-    "tests/test_launch.py::test_with_restarts_each_failed_attempt_is_one_line",
-)
+@pytest.fixture(scope="session")
+def pools(tmp_path_factory: pytest.TempPathFactory):
+    """The session's pools of gloo worker processes (tests/pool.py), one per process count, each
+    started on its first job."""
+    from pool import Pools
+
+    pools = Pools(tmp_path_factory.mktemp("pools"))
+    yield pools
+    pools.close()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -97,9 +73,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    for item in items:
-        if any(fnmatch.fnmatchcase(item.nodeid, pattern) for pattern in FULL_TIER_ONLY):
-            item.add_marker(pytest.mark.full)
     if config.getoption("--full"):
         return
     full = [item for item in items if item.get_closest_marker("full") is not None]

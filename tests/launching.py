@@ -9,7 +9,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -21,6 +21,14 @@ TIMEOUT = 120
 AMBIENT_PREFIXES = ("CPCTL_", "SLURM_", "PET_", "TORCHELASTIC_", "ACCELERATE_", "PARALLELISM_CONFIG_", "FSDP_")
 
 T = TypeVar("T")
+
+
+def tiered(values: Iterable[T], quick: Collection[T]) -> list:
+    """Parameters for a launch matrix: the cases in `quick` run in both tiers, the others only in
+    the full tier (`pytest --full`). A tuple is one value per argument name, as parametrize takes it."""
+    return [value if value in quick else pytest.param(*value if isinstance(value, tuple) else (value,),
+                                                       marks=pytest.mark.full)
+            for value in values]
 
 
 def launch_env(tmp_path: Path) -> dict[str, str]:

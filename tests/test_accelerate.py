@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from launching import REPO, TIMEOUT, cpctl, finish, launch_env, launch_once, plain_losses, probed, probed_env
+from launching import (REPO, TIMEOUT, cpctl, finish, launch_env, launch_once, plain_losses, probed, probed_env,
+                       tiered)
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -68,7 +69,8 @@ def launched(tmp_path_factory: pytest.TempPathFactory):
     return launch_once(tmp_path_factory, "accelerate", launch_layout)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+# the guide's loop in both tiers at sp2-cp2 (CP and Ulysses); its flags are read in test_accelerate_flags' dry runs
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, quick={"sp2-cp2"}))
 def test_the_guide_loop_under_cp_gives_the_one_process_losses(launched, layout: str) -> None:
     result = launched(layout)
     run, reference = result["run"], result["reference"]
@@ -85,6 +87,7 @@ def test_the_reference_trains(launched, tmp_path: Path) -> None:
     assert all(abs(a - b) > 100 * TOLERANCE for a, b in zip(trained[1:], frozen[1:]))
 
 
+@pytest.mark.full  # run_clm's Trainer runs in the quick tier (test_trainer.py)
 def test_a_trainer_under_cp_gives_the_one_process_losses(tmp_path: Path) -> None:
     """The transformers Trainer shards through accelerator.maybe_context_parallel (cpctl's engine
     here) and normalizes the loss by its own global token count, which cpctl checks."""
@@ -103,6 +106,7 @@ def test_a_trainer_under_cp_gives_the_one_process_losses(tmp_path: Path) -> None
         assert abs(got - want) <= TOLERANCE, f"step {step}: {got} vs {want}"
 
 
+@pytest.mark.full
 def test_evaluating_before_training_is_accelerates_one_line_as_on_gpus(tmp_path: Path) -> None:
     """On the CPU the model is FSDP2's, as on GPUs, and transformers' evaluate() before train()
     then meets accelerate's own FSDP2 rule: one line, the same on a laptop and on GPUs."""
@@ -111,6 +115,7 @@ def test_evaluating_before_training_is_accelerates_one_line_as_on_gpus(tmp_path:
     assert "When using FSDP2, a model and optimizer must be passed together" in err and "Traceback" not in err
 
 
+@pytest.mark.full
 def test_a_model_prepared_twice_is_adopted_once(tmp_path: Path) -> None:
     script = tmp_path / "twice.py"
     script.write_text(
@@ -160,6 +165,7 @@ SET_TWICE = {
 }
 
 
+@pytest.mark.full
 @pytest.mark.parametrize("case", SET_TWICE)
 def test_what_the_script_and_the_launch_both_set_must_agree(tmp_path: Path, case: str) -> None:
     built, message = SET_TWICE[case]
@@ -214,6 +220,7 @@ ND = REPO / "tests" / "workers" / "nd_parallel"  # nd_parallel.py, nd_parallel_t
 ON_THIS_CPU = ("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2")
 
 
+@pytest.mark.full
 def test_nd_parallel_with_its_cp_config_gives_the_one_process_losses(tmp_path: Path, tiny_hub: Path) -> None:
     """accelerate's nd_parallel.py under `cpctl launch --config configs/cp.yaml` (its sizes and
     precision overridden for this 2-core CPU): FSDP2 on the CPU as on GPUs, so `model.config`
@@ -242,6 +249,7 @@ def test_nd_parallel_with_its_cp_config_gives_the_one_process_losses(tmp_path: P
         assert rank["cp_size"] == 2 and {(s["length"], s["padded"], s["local"]) for s in rank["steps"]} == {(63, 64, 32)}
 
 
+@pytest.mark.full
 def test_nd_parallel_trainer_and_its_bf16(tmp_path: Path, tiny_hub: Path) -> None:
     """nd_parallel_trainer.py hard-codes bf16=True in its TrainingArguments. configs/cp.yaml says
     bf16 too, so it trains in bf16 on the CPU (under CP); a launch in fp32 names both in one line."""

@@ -5,13 +5,17 @@
   `TYPE_CHECKING` (a type named from above is a dependency too). A package's `__init__` is
   the package: what it imports (its re-exports) the package imports.
 * docs/architecture.md, the map, names every module the package has.
+* The worker side's packages import downward only: attention below runtime below
+  integrations (the runtime asks registered adapters instead of importing an integration).
 * The Hugging Face integration sees the runtime through `RuntimeView` only: every member it
-  calls on the runtime is declared there, and the Runtime has every member declared there.
+  calls on the runtime is declared there, and the step context it is handed has every member
+  declared there. The user's `Runtime` has exactly the members docs/runtime.md documents.
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -137,6 +141,32 @@ def test_every_kind_of_import_closes_a_cycle(tmp_path: Path, kind: str) -> None:
     assert cycles(import_graph(write(tmp_path, {**CLEAN, relative: text}))) == [cycle]
 
 
+# ------------------------------------------------------------------------------- direction between packages
+
+WORKER_LAYERS = ("attention", "runtime", "integrations")  # lowest first: each imports only those below it
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) pairs where a worker package imports one above it."""
+    def layer(module: str) -> int | None:
+        parts = module.split(".")
+        return WORKER_LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in WORKER_LAYERS else None
+
+    return sorted((name, target) for name, targets in graph.items() for target in targets
+                  if layer(name) is not None and layer(target) is not None and layer(target) > layer(name))
+
+
+def test_the_worker_packages_import_downward_only() -> None:
+    assert upward_imports(import_graph(REPO)) == []
+
+
+def test_an_upward_import_is_found(tmp_path: Path) -> None:
+    tree = {"cpctl/__init__.py": "", "cpctl/runtime/__init__.py": "", "cpctl/integrations/__init__.py": "",
+            "cpctl/integrations/hf.py": "from cpctl.runtime import step\n",
+            "cpctl/runtime/step.py": "def later():\n    from cpctl.integrations import hf\n"}
+    assert upward_imports(import_graph(write(tmp_path, tree))) == [("cpctl.runtime.step", "cpctl.integrations.hf")]
+
+
 # ------------------------------------------------------------------------------- the runtime's door
 
 
@@ -166,8 +196,19 @@ def test_the_hugging_face_integration_sees_the_runtime_through_runtime_view() ->
     used = members_called_on_runtime(integrations / "huggingface.py") | members_called_on_runtime(
         integrations / "hf_padding.py")
     assert used == view  # exactly what they use: nothing missing, nothing declared for nobody
-    runtime = class_members(REPO / "cpctl" / "runtime" / "runtime.py", "Runtime")
-    assert view - runtime == set()  # the Runtime is a RuntimeView
+    context = class_members(REPO / "cpctl" / "runtime" / "context.py", "StepContext")
+    assert view - context == set()  # the step context the integration is handed is a RuntimeView
+
+
+# Not documented: what integrations/accelerate_shim.py still calls on the Runtime it is handed,
+# until it takes the step context and the model preparation instead.
+def test_the_runtime_has_exactly_the_documented_members() -> None:
+    documented = set()
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        documented |= set(re.findall(r"\brt\.([a-z_]+)", page.read_text()))
+    public = {name for name in class_members(REPO / "cpctl" / "runtime" / "runtime.py", "Runtime")
+              if not name.startswith("_")}
+    assert public == documented
 
 
 def test_the_map_names_every_module() -> None:

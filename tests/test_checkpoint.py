@@ -1,7 +1,8 @@
-"""Checkpoints (cpctl.Checkpointer on torch.distributed.checkpoint) through real launches.
+"""Checkpoints (cpctl.Checkpointer on torch.distributed.checkpoint) in real processes.
 
-scripts/train_llama.py saves and resumes with --checkpoint-dir. A run stopped half-way at
-cp 2 x dp_shard 2 (4 processes) resumes at cp 4 and in one plain process, and the resumed
+scripts/train_llama.py saves and resumes with --checkpoint-dir (in the session's pools of
+processes, tests/pool.py; the faults through real launches). A run stopped half-way at
+cp 2 x dp_shard 2 (4 processes) resumes at cp 4 and in one process, and the resumed
 steps' losses equal an uninterrupted run's; a checkpoint interrupted mid-write is never loaded;
 `export` gives a single file a plain model loads.
 """
@@ -20,35 +21,33 @@ from pathlib import Path
 
 import pytest
 from launching import REPO, cpctl, error_lines, finish, launch_env
+from pool import Pools
 
 SCRIPT = REPO / "scripts" / "train_llama.py"
 STEPS, HALF = 6, 3
 TOLERANCE = 1e-4  # fp32, as the layout tests of the example
 
 
-def plain(tmp: Path, *args: str) -> dict:
-    out = tmp / f"plain-{len(list(tmp.glob('plain-*')))}.json"
-    done = subprocess.run([sys.executable, str(SCRIPT), "--steps", str(STEPS), *args, "--losses-out", str(out)],
-                          cwd=tmp, env=launch_env(tmp), capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    return json.loads(out.read_text())
+def plain(tmp: Path, pools: Pools, *args: str) -> dict:
+    """The example's losses file, trained in one process."""
+    return trained(tmp, pools, ["--nproc-per-node", "1"], *args)
 
 
-def launched(tmp: Path, layout: list[str], *args: str) -> dict:
-    out = tmp / f"launched-{len(list(tmp.glob('launched-*')))}.json"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", *layout, str(SCRIPT), "--steps", str(STEPS), *args,
-                                        "--losses-out", str(out), tmp_path=tmp))
-    assert code == 0, stdout + stderr
+def trained(tmp: Path, pools: Pools, layout: list[str], *args: str) -> dict:
+    """The example's losses file, trained in `layout` (the launcher is not what these tests test: the
+    session's pools of processes run it, tests/pool.py)."""
+    out = tmp / f"run-{len(list(tmp.glob('run-*')))}.json"
+    pools.run(SCRIPT, "--steps", str(STEPS), *args, "--losses-out", str(out), flags=layout, cwd=tmp)
     return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def saved_at_cp2_dp2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def saved_at_cp2_dp2(tmp_path_factory: pytest.TempPathFactory, pools) -> tuple[Path, dict]:
     """An uninterrupted one-process reference, and a checkpoint of step 3 made at cp 2 x dp_shard 2."""
     tmp = tmp_path_factory.mktemp("checkpoints")
-    reference = plain(tmp)
-    first = launched(tmp, ["--nproc-per-node", "4", "--cp-size", "2"], "--checkpoint-dir", str(tmp / "ckpt"),
-                     "--save-every", str(HALF), "--stop-after", str(HALF))
+    reference = plain(tmp, pools)
+    first = trained(tmp, pools, ["--nproc-per-node", "4", "--cp-size", "2"], "--checkpoint-dir", str(tmp / "ckpt"),
+                    "--save-every", str(HALF), "--stop-after", str(HALF))
     assert (first["cp"], first["dp"], len(first["losses"])) == (2, 2, HALF)
     assert all(abs(a - b) <= TOLERANCE for a, b in zip(first["losses"], reference["losses"]))
     return tmp, reference
@@ -61,27 +60,29 @@ def resumed_equals_reference(resumed: dict, reference: dict) -> None:
         assert abs(got - want) <= TOLERANCE, (resumed["losses"], reference["losses"])
 
 
-def test_a_checkpoint_saved_at_cp2_dp2_resumes_at_cp4(saved_at_cp2_dp2, tmp_path: Path) -> None:
+@pytest.mark.full
+def test_a_checkpoint_saved_at_cp2_dp2_resumes_at_cp4(saved_at_cp2_dp2, pools, tmp_path: Path) -> None:
     tmp, reference = saved_at_cp2_dp2
     shutil.copytree(tmp / "ckpt", tmp_path / "ckpt")
-    resumed = launched(tmp_path, ["--nproc-per-node", "4", "--cp-size", "4"], "--checkpoint-dir", str(tmp_path / "ckpt"))
+    resumed = trained(tmp_path, pools, ["--nproc-per-node", "4", "--cp-size", "4"],
+                      "--checkpoint-dir", str(tmp_path / "ckpt"))
     assert (resumed["cp"], resumed["dp"]) == (4, 1)
     resumed_equals_reference(resumed, reference)
 
 
-def test_a_checkpoint_saved_at_cp2_dp2_resumes_in_one_process(saved_at_cp2_dp2, tmp_path: Path) -> None:
+def test_a_checkpoint_saved_at_cp2_dp2_resumes_in_one_process(saved_at_cp2_dp2, pools, tmp_path: Path) -> None:
     tmp, reference = saved_at_cp2_dp2
     shutil.copytree(tmp / "ckpt", tmp_path / "ckpt")
-    resumed_equals_reference(plain(tmp_path, "--checkpoint-dir", str(tmp_path / "ckpt")), reference)
+    resumed_equals_reference(plain(tmp_path, pools, "--checkpoint-dir", str(tmp_path / "ckpt")), reference)
 
 
-def test_a_checkpoint_interrupted_mid_write_is_never_loaded(saved_at_cp2_dp2, tmp_path: Path) -> None:
+def test_a_checkpoint_interrupted_mid_write_is_never_loaded(saved_at_cp2_dp2, pools, tmp_path: Path) -> None:
     tmp, reference = saved_at_cp2_dp2
     shutil.copytree(tmp / "ckpt", tmp_path / "ckpt")
     # a later step whose writing was cut short: its files are there, its rename never happened
     shutil.copytree(tmp_path / "ckpt" / f"step-{HALF:09d}", tmp_path / "ckpt" / f"step-{HALF + 2:09d}.partial")
     (tmp_path / "ckpt" / f"step-{HALF + 2:09d}.partial" / ".metadata").write_bytes(b"torn")
-    resumed_equals_reference(plain(tmp_path, "--checkpoint-dir", str(tmp_path / "ckpt")), reference)
+    resumed_equals_reference(plain(tmp_path, pools, "--checkpoint-dir", str(tmp_path / "ckpt")), reference)
 
 
 def test_export_gives_a_file_a_plain_model_loads(saved_at_cp2_dp2, tmp_path: Path) -> None:
@@ -101,12 +102,14 @@ print("loaded", sum(p.numel() for p in model.parameters()))
     assert done.returncode == 0 and "loaded 106816" in done.stdout, done.stdout + done.stderr
 
 
-def test_an_asynchronous_checkpoint_resumes_like_a_blocking_one(saved_at_cp2_dp2, tmp_path: Path) -> None:
+@pytest.mark.full
+def test_an_asynchronous_checkpoint_resumes_like_a_blocking_one(saved_at_cp2_dp2, pools, tmp_path: Path) -> None:
     _, reference = saved_at_cp2_dp2
-    first = launched(tmp_path, ["--nproc-per-node", "2", "--cp-size", "2"], "--checkpoint-dir", str(tmp_path / "ckpt"),
-                     "--save-every", str(HALF), "--stop-after", str(HALF), "--async-save")
+    first = trained(tmp_path, pools, ["--nproc-per-node", "2", "--cp-size", "2"],
+                    "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", str(HALF), "--stop-after", str(HALF),
+                    "--async-save")
     assert len(first["losses"]) == HALF and (tmp_path / "ckpt" / f"step-{HALF:09d}").is_dir()
-    resumed_equals_reference(plain(tmp_path, "--checkpoint-dir", str(tmp_path / "ckpt")), reference)
+    resumed_equals_reference(plain(tmp_path, pools, "--checkpoint-dir", str(tmp_path / "ckpt")), reference)
 
 
 # ----------------------------------------------------------------------------- faults
@@ -122,10 +125,10 @@ def plain_run(tmp: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def saved_every_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def saved_every_step(tmp_path_factory: pytest.TempPathFactory, pools) -> Path:
     """Checkpoints of steps 1, 2 and 3, saved at cp 2."""
     tmp = tmp_path_factory.mktemp("every_step")
-    launched(tmp, CP2, "--checkpoint-dir", str(tmp / "ckpt"), "--save-every", "1", "--stop-after", str(HALF))
+    trained(tmp, pools, CP2, "--checkpoint-dir", str(tmp / "ckpt"), "--save-every", "1", "--stop-after", str(HALF))
     assert [p.name for p in sorted((tmp / "ckpt").iterdir())] == [f"step-{n:09d}" for n in (1, 2, 3)]
     return tmp / "ckpt"
 
@@ -193,6 +196,7 @@ echo $? > {tmp}/resumed.code
 """
 
 
+@pytest.mark.full  # a checkpoint that cannot be written: the unwritable directory stays
 def test_a_full_disk_is_one_line_and_the_latest_complete_checkpoint_stays(saved_at_cp2_dp2, tmp_path: Path) -> None:
     """A real small filesystem: a tmpfs, mounted in a private mount namespace (unshare)."""
     _, reference = saved_at_cp2_dp2

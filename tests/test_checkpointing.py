@@ -7,17 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish
+from launching import REPO, tiered
 
 
-@pytest.mark.parametrize("level", ["full", "selective"])
-def test_a_second_backward_recomputes_exactly(tmp_path: Path, level: str) -> None:
+@pytest.mark.parametrize("level", tiered(["full", "selective"], quick={"selective"}))
+def test_a_second_backward_recomputes_exactly(tmp_path: Path, pools, level: str) -> None:
     out = tmp_path / "grads.json"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2",
-                                        "--activation-checkpointing", "true", "--checkpoint-level", level,
-                                        str(REPO / "tests" / "workers" / "recompute_cases.py"), str(out),
-                                        tmp_path=tmp_path))
-    assert code == 0, stdout + stderr
+    pools[2].run(REPO / "tests" / "workers" / "recompute_cases.py", str(out), cwd=tmp_path,
+                 flags=("--cp-size", "2", "--activation-checkpointing", "true", "--checkpoint-level", level))
     result = json.loads(out.read_text())
     assert (result["cp"], result["level"]) == (2, level)
     assert result["grads"] <= 1e-5

@@ -1,8 +1,8 @@
 """The CP attention engine against single-process SDPA on the full sequence.
 
-tests/workers/engine_cases.py runs every case under `torch.distributed.run` with gloo on CPU,
-once per world size (2 and 4 processes, a few seconds each), and writes the max abs error of
-the output and of dq/dk/dv per case; each case is then its own test here. One process is a
+tests/workers/engine_cases.py runs every case with gloo on CPU, once per world size (1, 2 and 4
+processes, in the session's pools of processes, tests/pool.py; a few seconds each), and writes
+the max abs error of the output and of dq/dk/dv per case; each case is then its own test here. One process is a
 group of one: plain attention there is one kernel call (attention/whole.py), the rest the blocks. fp32 bar: 1e-5.
 Besides plain causal and full attention: sliding windows and chunked attention that cut
 through shards, packed documents (one-token ones, ones spanning ranks, many short ones, rows
@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO, launch_env, launch_once
+from launching import REPO, launch_once, tiered
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -29,7 +27,7 @@ from cpctl.attention import Strategy
 
 WORKER = REPO / "tests" / "workers" / "engine_cases.py"
 STRATEGIES = tuple(strategy.value for strategy in Strategy)
-WORLD_SIZES = (1, 2, 4)  # 1: a group of one, where plain attention is one kernel call
+WORLD_SIZES = tiered((1, 2, 4), quick={1, 2})  # 1: a group of one, where plain attention is one kernel call
 TOLERANCE = 1e-5  # the engine's fp32 bar
 TIMEOUT = 180
 
@@ -67,24 +65,19 @@ def key(case: dict) -> str:
     return case_id(case)
 
 
-def run_worker(tmp: Path, world: int) -> dict[str, dict]:
-    """{case id: record} of one torchrun of the worker with `world` processes."""
+def run_worker(tmp: Path, pool) -> dict[str, dict]:
+    """{case id: record} of one run of the worker in `pool`'s processes."""
     out = tmp / "cases.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-         str(WORKER), str(out)],
-        cwd=tmp, env=launch_env(tmp), check=False, capture_output=True, text=True, timeout=TIMEOUT,
-    )
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"engine worker, {world} processes, exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    pool.run(WORKER, str(out), cwd=tmp, timeout=TIMEOUT)
     lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     return {key(record): record for record in lines} | {"__count__": len(lines)}
 
 
 @pytest.fixture(scope="module")
-def engine_records(tmp_path_factory: pytest.TempPathFactory):
-    """world size -> {case id: record}; each world size is launched once, on first use."""
-    return launch_once(tmp_path_factory, "engine", run_worker)
+def engine_records(tmp_path_factory: pytest.TempPathFactory, pools):
+    """world size -> {case id: record}; each world size is run once, on first use, in the session's
+    pool of that many processes (tests/pool.py)."""
+    return launch_once(tmp_path_factory, "engine", lambda tmp, world: run_worker(tmp, pools[world]))
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)

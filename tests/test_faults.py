@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish, launch_env
+from launching import REPO, cpctl, finish, launch_env, tiered
 
 from cpctl.failure_report import ERROR_DIR_ENV_VAR, FailureReport
 from cpctl.launch import failures
@@ -39,7 +39,8 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     return json.loads(out.read_text())["losses"]
 
 
-@pytest.mark.parametrize("attempt", range(3))  # a restart must work every time, not one time in five
+# a restart must work every time, not one time in five
+@pytest.mark.parametrize("attempt", tiered(range(3), quick={0}))
 def test_a_killed_rank_is_restarted_and_the_run_resumes(uninterrupted, tmp_path: Path, attempt: int) -> None:
     out, ckpt, pids = tmp_path / "losses.json", tmp_path / "ckpt", tmp_path / "pids"
     pids.mkdir()
@@ -251,6 +252,7 @@ for rank, error in (("0", RuntimeError("Connection closed by peer")), ("1", Valu
 """
 
 
+@pytest.mark.full  # 2 workers failing
 def test_the_launcher_names_the_root_cause_from_the_reports_workers_wrote(tmp_path: Path) -> None:
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 

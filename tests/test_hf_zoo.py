@@ -1,7 +1,8 @@
 """A zoo of tiny Hugging Face causal LMs trains under CP as in one process (tests/workers/hf_zoo.py).
 
-One `cpctl launch` per run (cp 2 with each CP strategy, and cp 1: one process, attention still
-through cpctl's engine) runs every architecture (six cases each: the README loop,
+One run per run (cp 2 with each CP strategy; cp 1: one process, attention still through cpctl's
+engine), in the session's pool of processes of its size (tests/pool.py, with the profile `cpctl
+launch` would give), runs every architecture (six cases each: the README loop,
 `model(input_ids=ids, labels=ids).loss` as accelerate users call it, `rt.causal_lm_loss`, and
 the three on packed documents); each (run, architecture, case) is then its own test: two SGD
 steps' losses and the first step's full gradients within 1e-5 of a one-process run of plain
@@ -27,7 +28,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, launch_once
+from launching import REPO, cpctl, launch_once, tiered
+from pool import Pools
 
 pytest.importorskip("transformers")
 
@@ -72,16 +74,22 @@ def _wait(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
 
 
 def run_zoo(tmp_path: Path, run: str, *worker_args: str, archs: list[str] | None = None,
-            cases: tuple[str, ...] = CASES) -> dict:
-    """{arch: {case: record}} for every architecture asked for (all by default), relaunching past crashes."""
+            cases: tuple[str, ...] = CASES, pools: Pools | None = None) -> dict:
+    """{arch: {case: record}} for every architecture asked for (all by default), relaunching past
+    crashes; in the session's pool of the run's process count (tests/pool.py), else launched."""
     cp, strategy = RUNS[run]
+    flags = ("--nproc-per-node", str(cp), "--cp-size", str(cp), "--cp-comm-strategy", strategy)
     results: dict = {}
     pending = list(archs or [])  # empty: the worker's own full list
     for attempt in range(len(ARCHS) + 1):
         out = tmp_path / f"zoo-{run}-{attempt}.json"
-        proc = cpctl("--device", "cpu", "--nproc-per-node", str(cp), "--cp-size", str(cp),
-                     "--cp-comm-strategy", strategy, str(WORKER), str(out), *worker_args, *pending, tmp_path=tmp_path)
-        code, output = _wait(proc, LAUNCH_TIMEOUT)
+        if pools is not None:
+            outcome = pools[cp].attempt(WORKER, str(out), *worker_args, *pending, flags=flags, cwd=tmp_path,
+                                        timeout=LAUNCH_TIMEOUT)
+            code, output = (0 if outcome.ok else 1), "\n".join(outcome.outputs) + outcome.report()
+        else:
+            proc = cpctl("--device", "cpu", *flags, str(WORKER), str(out), *worker_args, *pending, tmp_path=tmp_path)
+            code, output = _wait(proc, LAUNCH_TIMEOUT)
         part = json.loads(out.read_text()) if out.exists() else {}
         assert part, f"the zoo worker died before its first architecture (exit {code}):\n{output[-6000:]}"
         results |= {name: record for name, record in part.items() if record}
@@ -111,9 +119,9 @@ def run_zoo(tmp_path: Path, run: str, *worker_args: str, archs: list[str] | None
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory: pytest.TempPathFactory):
-    """One launch per run, on first use, shared by that run's tests (a failure too)."""
-    return launch_once(tmp_path_factory, "zoo", run_zoo)
+def zoo(tmp_path_factory: pytest.TempPathFactory, pools):
+    """One run per run, on first use, shared by that run's tests (a failure too)."""
+    return launch_once(tmp_path_factory, "zoo", lambda tmp, run: run_zoo(tmp, run, pools=pools))
 
 
 def check(record: dict, arch: str, case: str, *, cp: int) -> None:
@@ -132,7 +140,7 @@ def check(record: dict, arch: str, case: str, *, cp: int) -> None:
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("run", tiered(RUNS, quick={"cp2-allgather"}))
 def test_hf_architecture_trains_under_cp_as_in_one_process(zoo, run: str, arch: str, case: str) -> None:
     results = zoo(run)
     assert set(results) == set(ARCHS), f"architectures missing: {set(ARCHS) - set(results)}"
@@ -140,10 +148,10 @@ def test_hf_architecture_trains_under_cp_as_in_one_process(zoo, run: str, arch: 
 
 
 @pytest.mark.full
-def test_the_comparison_catches_mistakes(tmp_path: Path) -> None:
+def test_the_comparison_catches_mistakes(tmp_path: Path, pools) -> None:
     """Mistakes in the README loop must show: refused, or gradients far from the one-process ones."""
     results = run_zoo(tmp_path, "cp2-allgather", "--wrong-positions", "--wrong-labels", archs=["llama"],
-                      cases=("wrong_positions", "wrong_labels"))["llama"]
+                      cases=("wrong_positions", "wrong_labels"), pools=pools)["llama"]
     # Local positions arange(local_len): cpctl may refuse them; it must never train them silently.
     positions = results["wrong_positions"]
     if positions.get("error") is None:

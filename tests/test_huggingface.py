@@ -11,11 +11,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, TIMEOUT, cpctl, finish, launch_env
+from launching import REPO, TIMEOUT, cpctl, finish, launch_env, tiered
 
 pytest.importorskip("transformers")
 
 
+WORKER = REPO / "tests" / "workers" / "hf_cases.py"
 LAYOUTS = {
     # cp 1: nothing sharded, attention through cpctl's engine all the same
     "cp1": (("--nproc-per-node", "1", "--cp-size", "1"), 1, 1),
@@ -32,14 +33,12 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, layout: str) -> None:
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, quick={"cp1", "cp2"}))
+def test_hf_llama_logits_and_gradients_equal_a_plain_step(tmp_path: Path, pools, layout: str) -> None:
     flags, cp, tp = LAYOUTS[layout]
     out = tmp_path / "hf.json"
-    extra = ["checkpointing"] if layout.endswith("checkpointing") else []
-    code, stdout, stderr = finish(cpctl("--device", "cpu", *flags, str(REPO / "tests" / "workers" / "hf_cases.py"),
-                                        str(out), *extra, tmp_path=tmp_path))
-    assert code == 0, stdout + stderr
+    pools.run(WORKER, str(out), *(["checkpointing"] if layout.endswith("checkpointing") else []), flags=flags,
+              cwd=tmp_path)  # in the session's processes (tests/pool.py)
     result = json.loads(out.read_text())
     assert (result["cp"], result["tp"]) == (cp, tp) and result["n_params"] > 0
     assert result["checkpointed"] == layout.endswith("checkpointing")

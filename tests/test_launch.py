@@ -85,6 +85,7 @@ def test_a_failing_worker_is_reported_and_its_code_passed_through(tmp_path: Path
     assert "Traceback" not in out + err
 
 
+@pytest.mark.full
 def test_two_nodes_on_loopback(tmp_path: Path) -> None:
     # Node rank 1 starts first: c10d alone would make it global rank 0 (on one host it sorts the
     # machines by the launcher's pid). Each launch's workers write to a directory of their own.
@@ -241,6 +242,7 @@ def test_a_process_alone_that_fails_ends_as_python_ends_it(tmp_path: Path) -> No
     assert (leave / "atexit.txt").read_text() == "ran at exit", proc.stderr
 
 
+@pytest.mark.full
 def test_with_restarts_each_failed_attempt_is_one_line(tmp_path: Path) -> None:
     code, out, err = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--max-restarts", "1",
                                   str(FAILING), "--rank", "1", "--error", "value", tmp_path=tmp_path))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from cpctl.runtime.loader import EpochDataLoader, ResumableSampler
-from cpctl.runtime.runtime import _same_documents
+from cpctl.runtime.context import same_documents
 
 
 def loader(ranks: int = 1, rank: int = 0, batch: int = 3, n: int = 10) -> EpochDataLoader:
@@ -45,6 +45,6 @@ def test_the_position_is_in_samples_of_the_whole_dp_batch() -> None:
 
 
 def test_one_row_of_documents_stands_for_every_row() -> None:
-    assert _same_documents([(0, 5)], [(0, 5), (0, 5)])
-    assert _same_documents([(0, 5), (0, 5)], [(0, 5)])
-    assert not _same_documents([(0, 5)], [(0, 5), (0, 6)])
+    assert same_documents([(0, 5)], [(0, 5), (0, 5)])
+    assert same_documents([(0, 5), (0, 5)], [(0, 5)])
+    assert not same_documents([(0, 5)], [(0, 5), (0, 6)])

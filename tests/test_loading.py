@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from launching import REPO, TIMEOUT, cpctl, error_lines, finish, launch_env
+from pool import Pools
 
 pytest.importorskip("transformers")
 
@@ -21,10 +22,10 @@ WORKER = REPO / "tests" / "workers" / "load_cases.py"
 TOLERANCE = 1e-5
 
 
-def checkpoint(tmp_path: Path, *, tied: bool) -> Path:
+def checkpoint(tmp_path: Path, pools: Pools, *, tied: bool) -> Path:
+    """A bf16 checkpoint in several safetensors files, written in one process (the session's pool of one)."""
     path = tmp_path / ("tied" if tied else "untied")
-    subprocess.run([sys.executable, str(WORKER), str(path), "-", "--write-checkpoint", *(["--tied"] if tied else [])],
-                   check=True, env=launch_env(tmp_path), capture_output=True, timeout=TIMEOUT)
+    pools[1].run(WORKER, str(path), "-", "--write-checkpoint", *(["--tied"] if tied else []), cwd=tmp_path)
     assert len(list(path.glob("*.safetensors"))) > 1
     return path
 
@@ -41,35 +42,32 @@ def assert_loaded_exactly(result: dict) -> None:
 
 
 @pytest.mark.full
-def test_one_process_loads_the_checkpoint_exactly(tmp_path: Path) -> None:
+def test_one_process_loads_the_checkpoint_exactly(tmp_path: Path, pools) -> None:
     out = tmp_path / "result.json"
-    proc = subprocess.run([sys.executable, str(WORKER), str(checkpoint(tmp_path, tied=False)), str(out)], cwd=tmp_path,
-                          env=launch_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pools[1].run(WORKER, str(checkpoint(tmp_path, pools, tied=False)), str(out), cwd=tmp_path)
     assert_loaded_exactly(json.loads(out.read_text()))
 
 
-def test_cp2_loads_a_tied_checkpoint_exactly(tmp_path: Path) -> None:
+def test_cp2_loads_a_tied_checkpoint_exactly(tmp_path: Path, pools) -> None:
     out = tmp_path / "result.json"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api",
-                                        "cpctl", str(WORKER), str(checkpoint(tmp_path, tied=True)), str(out),
-                                        tmp_path=tmp_path))
-    assert code == 0, stdout + stderr
+    pools[2].run(WORKER, str(checkpoint(tmp_path, pools, tied=True)), str(out), cwd=tmp_path,
+                 flags=("--cp-size", "2", "--script-api", "cpctl"))
     assert_loaded_exactly(json.loads(out.read_text()))
 
 
-def run_loading(tmp_path: Path, path: Path) -> str:
-    code = (f"import cpctl; from transformers import AutoModelForCausalLM; "
-            f"cpctl.init().from_pretrained(AutoModelForCausalLM, {str(path)!r})")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=launch_env(tmp_path), capture_output=True,
-                          text=True, timeout=TIMEOUT, check=False)
-    assert proc.returncode != 0
-    return proc.stderr.strip().splitlines()[-1]
+def run_loading(tmp_path: Path, pools: Pools, path: Path) -> str:
+    """The last line of the traceback of rt.from_pretrained(path) in one process (the session's pool of one)."""
+    script = tmp_path / "load.py"
+    script.write_text(f"import cpctl; from transformers import AutoModelForCausalLM; "
+                      f"cpctl.init().from_pretrained(AutoModelForCausalLM, {str(path)!r})")
+    (failure,) = pools[1].attempt(script, cwd=tmp_path).failures
+    assert failure is not None
+    return failure.strip().splitlines()[-1]
 
 
 @pytest.mark.full
-def test_a_checkpoint_of_another_shape_is_one_line(tmp_path: Path) -> None:
-    path = checkpoint(tmp_path, tied=False)
+def test_a_checkpoint_of_another_shape_is_one_line(tmp_path: Path, pools) -> None:
+    path = checkpoint(tmp_path, pools, tied=False)
     from safetensors.torch import load_file, save_file
 
     index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -78,20 +76,21 @@ def test_a_checkpoint_of_another_shape_is_one_line(tmp_path: Path) -> None:
     weights = load_file(file)
     del weights[name]
     save_file(weights, file, metadata={"format": "pt"})
-    line = run_loading(tmp_path, path)
+    line = run_loading(tmp_path, pools, path)
     assert "the checkpoint does not fit the model: 1 weights of the model are not in it" in line and name in line, line
 
 
-def test_not_a_local_checkpoint_is_one_line(tmp_path: Path) -> None:
-    line = run_loading(tmp_path, tmp_path / "meta-llama/Llama-3.2-1B")
+def test_not_a_local_checkpoint_is_one_line(tmp_path: Path, pools) -> None:
+    line = run_loading(tmp_path, pools, tmp_path / "meta-llama/Llama-3.2-1B")
     assert "not a local directory with .safetensors files; download the checkpoint first" in line, line
 
 
 @pytest.mark.full
-def test_an_accelerate_script_reads_the_checkpoint_on_rank_0_only_and_trains_as_one_process(tmp_path: Path) -> None:
+def test_an_accelerate_script_reads_the_checkpoint_on_rank_0_only_and_trains_as_one_process(tmp_path: Path,
+                                                                                            pools) -> None:
     """`from_pretrained` on every rank, then `accelerator.prepare`: rank 1 holds empty parameters
     until accelerate's FSDP2 preparation sends it its shards from rank 0."""
-    path = checkpoint(tmp_path, tied=True)
+    path = checkpoint(tmp_path, pools, tied=True)
     plain = tmp_path / "plain.json"
     proc = subprocess.run([sys.executable, str(WORKER), str(path), str(plain), "--accelerate"], cwd=tmp_path,
                           env=launch_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, check=False)
@@ -111,9 +110,9 @@ def test_an_accelerate_script_reads_the_checkpoint_on_rank_0_only_and_trains_as_
 
 
 @pytest.mark.full
-def test_a_model_called_before_accelerate_sends_its_weights_is_one_line(tmp_path: Path) -> None:
+def test_a_model_called_before_accelerate_sends_its_weights_is_one_line(tmp_path: Path, pools) -> None:
     code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api",
-                                        "accelerate", str(WORKER), str(checkpoint(tmp_path, tied=True)),
+                                        "accelerate", str(WORKER), str(checkpoint(tmp_path, pools, tied=True)),
                                         str(tmp_path / "out.json"), "--accelerate", "--call-before-prepare",
                                         tmp_path=tmp_path))
     assert code == 1, stdout + stderr

@@ -1,7 +1,7 @@
 """Offloaded activations in their host arena, and the mixed checkpointing level, on CPU.
 
-tests/workers/offload_cases.py trains the example Llama (4 layers) for a few steps in one plain
-process at each checkpointing setup, beside the same model trained without checkpointing. On
+tests/workers/offload_cases.py trains the example Llama (4 layers) for a few steps in one process
+(the session's one-process pool, tests/pool.py) at each checkpointing setup, beside the same model trained without checkpointing. On
 CPU the arena copies tensors into its buffers and back exactly as on a GPU (only the CUDA
 registration is left out), so these check what a GPU run relies on: the step is exact, the
 buffers are made once and reused, the host memory is what `cpctl plan` says, the mixed level
@@ -12,12 +12,10 @@ that raises inside the model leaves no saved-tensor hook behind.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, TIMEOUT, launch_env, launch_once
+from launching import REPO, launch_once
 
 WORKER = REPO / "tests" / "workers" / "offload_cases.py"
 BLOCKS = 4
@@ -28,17 +26,17 @@ CASES = {  # name: cpctl.init overrides
 }
 
 
-def run_case(tmp: Path, name: str) -> dict:
-    out = tmp / "result.json"
-    proc = subprocess.run([sys.executable, str(WORKER), str(out), "--offload", *CASES[name]], cwd=tmp,
-                          env=launch_env(tmp), capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
-def case(tmp_path_factory: pytest.TempPathFactory):
-    return launch_once(tmp_path_factory, "offload", run_case)
+def case(tmp_path_factory: pytest.TempPathFactory, pools):
+    """name -> the worker's result; each case run once, on first use, in the session's one-process pool
+    (tests/pool.py)."""
+
+    def run(tmp: Path, name: str) -> dict:
+        out = tmp / "result.json"
+        pools[1].run(WORKER, str(out), "--offload", *CASES[name], cwd=tmp)
+        return json.loads(out.read_text())
+
+    return launch_once(tmp_path_factory, "offload", run)
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish, launch_once
+from launching import REPO, launch_once, tiered
 
 pytest.importorskip("transformers")
 
@@ -26,21 +26,22 @@ TOLERANCE = 1e-5
 RUNS = [(cp, strategy.value) for cp in (2, 4) for strategy in Strategy]
 
 
-def launch_packed(tmp: Path, cp: int, strategy: str) -> dict:
-    out = tmp / "packed.json"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", str(cp), "--cp-size", str(cp),
-                                        "--cp-comm-strategy", strategy, str(WORKER), str(out), tmp_path=tmp))
-    assert code == 0, stdout + stderr
-    return json.loads(out.read_text())
-
-
 @pytest.fixture(scope="module")
-def packed_runs(tmp_path_factory: pytest.TempPathFactory):
-    """(cp, strategy) -> the worker's results; each launched once, on first use."""
-    return launch_once(tmp_path_factory, "packed", launch_packed)
+def packed_runs(tmp_path_factory: pytest.TempPathFactory, pools):
+    """(cp, strategy) -> the worker's results; each run once, on first use, in the session's pool of
+    processes of its size (tests/pool.py)."""
+
+    def run(tmp: Path, cp: int, strategy: str) -> dict:
+        out = tmp / "packed.json"
+        pools.run(WORKER, str(out), flags=("--nproc-per-node", str(cp), "--cp-size", str(cp),
+                                           "--cp-comm-strategy", strategy), cwd=tmp)
+        return json.loads(out.read_text())
+
+    return launch_once(tmp_path_factory, "packed", run)
 
 
-@pytest.mark.parametrize(("cp", "strategy"), RUNS, ids=[f"cp{cp}-{s}" for cp, s in RUNS])
+@pytest.mark.parametrize(("cp", "strategy"), tiered(RUNS, quick={(2, "allgather")}),
+                         ids=[f"cp{cp}-{s}" for cp, s in RUNS])
 def test_packed_training_equals_the_documents_one_by_one(packed_runs, cp: int, strategy: str) -> None:
     run = packed_runs(cp, strategy)
     assert (run["cp"], run["strategy"]) == (cp, strategy)
@@ -58,18 +59,11 @@ def test_packed_training_equals_the_documents_one_by_one(packed_runs, cp: int, s
 
 
 @pytest.mark.full
-def test_packed_documents_at_cp_1_equal_the_documents_one_by_one(tmp_path: Path) -> None:
-    """One plain process (cp 1): nothing is sharded, attention goes through the same engine, and
+def test_packed_documents_at_cp_1_equal_the_documents_one_by_one(tmp_path: Path, pools) -> None:
+    """One process (cp 1): nothing is sharded, attention goes through the same engine, and
     every case of cp 2 holds, plus a row of odd length that no cp > 1 could divide."""
-    import subprocess
-    import sys
-
-    from launching import launch_env
-
     out = tmp_path / "packed.json"
-    done = subprocess.run([sys.executable, str(WORKER), str(out)], cwd=tmp_path, env=launch_env(tmp_path),
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
+    pools[1].run(WORKER, str(out), cwd=tmp_path)
     cases = {name: case for name, case in json.loads(out.read_text())["cases"].items() if not name.endswith("/leak")}
     assert len(cases) == 20  # the 17 of cp > 1, and the odd-length row for both models (and both ways for hf)
     assert {name for name in cases if "/odd_length/" in name} == {

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO, TIMEOUT, cpctl, error_lines, finish, launch_env
+from launching import REPO, TIMEOUT, cpctl, error_lines, finish, launch_env, tiered
+from pool import Pools
 
 pytest.importorskip("peft")
 
@@ -30,10 +31,16 @@ def run_plain(tmp_path: Path, out: Path, *extra: str) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
+def run_alone(pools: Pools, tmp_path: Path, out: Path, *extra: str) -> dict:
+    """The worker in one process: the session's pool of one (tests/pool.py)."""
+    pools[1].run(WORKER, str(out), *extra, cwd=tmp_path)
+    return json.loads((out / "result.json").read_text())
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def reference(tmp_path_factory: pytest.TempPathFactory, pools) -> dict:
     tmp = tmp_path_factory.mktemp("peft-plain")
-    return run_plain(tmp, tmp / "plain", "--plain")
+    return run_alone(pools, tmp, tmp / "plain", "--plain")
 
 
 def assert_same_training(got: dict, want: dict) -> None:
@@ -73,19 +80,17 @@ LAYOUTS = {
 }
 
 
-def launch(tmp_path: Path, flags: tuple[str, ...], *extra: str) -> dict:
+def run_layout(tmp_path: Path, pools: Pools, flags: tuple[str, ...], *extra: str) -> dict:
+    """The worker's run with `flags`, in the session's pool of their process count (tests/pool.py)."""
     tmp_path.mkdir(exist_ok=True)
     out = tmp_path / "out"
-    code, stdout, stderr = finish(cpctl(*flags, "--script-api", "cpctl", str(WORKER), str(out), *extra,
-                                        tmp_path=tmp_path))
-    assert code == 0, stdout + stderr
+    pools.run(WORKER, str(out), *extra, flags=(*flags, "--script-api", "cpctl"), cwd=tmp_path)
     return json.loads((out / "result.json").read_text()) | {"out": out}
 
 
-@pytest.mark.parametrize("layout", [pytest.param(name, marks=() if name == "cp2" else pytest.mark.full)
-                                    for name in LAYOUTS])
-def test_lora_trains_and_saves_as_one_process(tmp_path: Path, reference: dict, layout: str) -> None:
-    result = launch(tmp_path, LAYOUTS[layout])
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, quick={"cp2"}))
+def test_lora_trains_and_saves_as_one_process(tmp_path: Path, pools, reference: dict, layout: str) -> None:
+    result = run_layout(tmp_path, pools, LAYOUTS[layout])
     assert_same_training(result, reference)
     assert result["frozen_dtypes"] == ["torch.float32"]
     assert result["frozen_with_grads"] == 0  # FSDP2 makes no gradient (so no optimizer state) for frozen weights
@@ -93,28 +98,27 @@ def test_lora_trains_and_saves_as_one_process(tmp_path: Path, reference: dict, l
 
 
 @pytest.mark.full
-def test_lora_dropout_is_recomputed_with_the_forwards_masks(tmp_path: Path) -> None:
+def test_lora_dropout_is_recomputed_with_the_forwards_masks(tmp_path: Path, pools) -> None:
     """Dropout draws other masks under CP than in one process; a checkpointed block's recompute must
     draw the forward's again, so checkpointing changes no gradient."""
-    plain = launch(tmp_path / "plain", CP2, "--dropout", "0.3")
-    checkpointed = launch(tmp_path / "checkpointed", (*CP2, *CHECKPOINTING, "full"), "--dropout", "0.3")
+    plain = run_layout(tmp_path / "plain", pools, CP2, "--dropout", "0.3")
+    checkpointed = run_layout(tmp_path / "checkpointed", pools, (*CP2, *CHECKPOINTING, "full"), "--dropout", "0.3")
     assert_same_training(checkpointed, plain)
 
 
 @pytest.mark.full
-def test_lora_through_the_runtime_in_one_process_trains_and_saves_as_peft(tmp_path: Path, reference: dict) -> None:
+def test_lora_through_the_runtime_in_one_process_trains_and_saves_as_peft(tmp_path: Path, pools,
+                                                                           reference: dict) -> None:
     out = tmp_path / "one"
-    assert_same_training(run_plain(tmp_path, out), reference)
+    assert_same_training(run_alone(pools, tmp_path, out), reference)
     assert_adapters_reload(out)
 
 
 @pytest.mark.full
-def test_lora_on_a_bf16_base_keeps_the_base_bf16_and_trains_fp32_adapters(tmp_path: Path, reference: dict) -> None:
-    out = tmp_path / "bf16"
-    code, stdout, stderr = finish(cpctl(*CP2, "--script-api", "cpctl", str(WORKER),
-                                        str(out), "--bf16-base", tmp_path=tmp_path))
-    assert code == 0, stdout + stderr
-    result = json.loads((out / "result.json").read_text())
+def test_lora_on_a_bf16_base_keeps_the_base_bf16_and_trains_fp32_adapters(tmp_path: Path, pools,
+                                                                            reference: dict) -> None:
+    result = run_layout(tmp_path, pools, CP2, "--bf16-base")
+    out = result["out"]
     assert result["frozen_dtypes"] == ["torch.bfloat16"] and result["trainable_dtypes"] == ["torch.float32"]
     for got, want in zip(result["losses"], reference["losses"]):  # a bf16 base: bf16's tolerance
         assert abs(got - want) <= 2e-2 * max(1.0, abs(want))

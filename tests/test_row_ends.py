@@ -1,8 +1,9 @@
 """Rows whose length the CP layout does not divide, and padded batches (docs/runtime.md).
 
-One `cpctl launch` of tests/workers/row_end_cases.py per size (cp 1, cp 2; sp 2 x cp 2 in the
-full tier) runs every case; each compares a step of a tiny Hugging Face Llama with the same
-step in one process on the full batch, at every position (padding tokens included).
+One run of tests/workers/row_end_cases.py per size (cp 2; cp 1 and sp 2 x cp 2 in the full tier),
+in the session's pool of processes of that size (tests/pool.py), runs every case; each compares a
+step of a tiny Hugging Face Llama with the same step in one process on the full batch, at every
+position (padding tokens included).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from launching import REPO, cpctl, finish
+from launching import REPO, tiered
 
 pytest.importorskip("transformers")
 
@@ -24,15 +25,12 @@ SIZES = {"cp1": ("1", []), "cp2": ("2", ["--cp-size", "2"]),
          "sp2-cp2": ("4", ["--cp-size", "2", "--sp-size", "2"])}
 
 
-@pytest.fixture(scope="module", params=[pytest.param("cp1", marks=pytest.mark.full), pytest.param("cp2"),
-                                        pytest.param("sp2-cp2", marks=pytest.mark.full)])
-def cases(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
+@pytest.fixture(scope="module", params=tiered(SIZES, quick={"cp2"}))
+def cases(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, pools) -> dict:
     procs, sizes = SIZES[request.param]
     tmp = tmp_path_factory.mktemp(f"row_ends_{request.param}")
     out = tmp / "results.json"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", procs, *sizes, str(WORKER),
-                                        str(out), tmp_path=tmp))
-    assert code == 0, stdout + stderr
+    pools.run(WORKER, str(out), flags=["--nproc-per-node", procs, *sizes], cwd=tmp)
     data = json.loads(out.read_text())
     assert data["cp"] * data["sp"] == int(procs)
     return data["cases"] | {"__seq_size__": int(procs)}

@@ -1,20 +1,19 @@
-"""The runtime API (docs/runtime.md) in real processes, through the real launcher.
+"""The runtime API (docs/runtime.md) in real processes.
 
-One `cpctl launch --device cpu --nproc-per-node 2 --cp-size 2` of tests/workers/runtime_cases.py
-measures everything (a few seconds); one plain `python` run of the same worker checks the world
-of one. The worker only records numbers and messages; every assertion is here.
+One run of tests/workers/runtime_cases.py at cp 2 in the session's pool of 2 gloo processes
+(tests/pool.py: the profile of `cpctl launch --cp-size 2`) measures everything (a few seconds); one
+run of the same worker in the pool of 1 checks the world of one; init overrides run under the
+launcher. The worker only records numbers and messages; every assertion is here.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish, launch_env
+from launching import REPO, cpctl, finish
 
 WORKER = REPO / "tests" / "workers" / "runtime_cases.py"
 TOLERANCE = 1e-5  # the engine's fp32 bar: CP equals single-process SDPA within 1e-5
@@ -22,24 +21,20 @@ CP = 2
 
 
 @pytest.fixture(scope="module")
-def cp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def cp_ranks(tmp_path_factory: pytest.TempPathFactory, pools) -> list[dict]:
     tmp = tmp_path_factory.mktemp("runtime_cp")
     out = tmp / "results.json"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", str(CP),
-                                        str(WORKER), str(out), tmp_path=tmp))
-    assert code == 0, stdout + stderr
+    pools[2].run(WORKER, str(out), flags=("--cp-size", str(CP)), cwd=tmp)
     data = json.loads(out.read_text())
     assert data["world"] == 2 and len(data["ranks"]) == 2
     return data["ranks"]
 
 
 @pytest.fixture(scope="module")
-def single_rank(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def single_rank(tmp_path_factory: pytest.TempPathFactory, pools) -> dict:
     tmp = tmp_path_factory.mktemp("runtime_single")
     out = tmp / "results.json"
-    proc = subprocess.run([sys.executable, str(WORKER), str(out)], cwd=tmp, env=launch_env(tmp),
-                          check=False, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    pools[1].run(WORKER, str(out), cwd=tmp)
     data = json.loads(out.read_text())
     assert data["world"] == 1 and len(data["ranks"]) == 1
     return data["ranks"][0]

@@ -15,13 +15,12 @@ from __future__ import annotations
 import errno
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO, TIMEOUT, cpctl, error_lines, finish, launch_env
+from launching import REPO, cpctl, error_lines, finish
+from pool import Pools
 
 pytest.importorskip("transformers")
 from transformers import LlamaForCausalLM  # noqa: E402
@@ -63,8 +62,16 @@ def workers_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(REPO / "tests" / "workers"))
 
 
-def test_the_runtime_route_saves_sharded_files_that_reload_as_trained(tmp_path: Path) -> None:
-    out = run_route(tmp_path, "runtime", *CPU2, "--cp-size", "2")
+def run_runtime_route(tmp_path: Path, pools: Pools, *flags: str) -> Path:
+    """The runtime route (cpctl's own API: the launcher is not what it tests) in the session's pool of
+    the flags' process count (tests/pool.py)."""
+    out = tmp_path / "runtime"
+    pools.run(WORKER, "runtime", str(out), flags=(*flags, "--script-api", "cpctl"), cwd=tmp_path)
+    return out
+
+
+def test_the_runtime_route_saves_sharded_files_that_reload_as_trained(tmp_path: Path, pools) -> None:
+    out = run_runtime_route(tmp_path, pools, "--nproc-per-node", "2", "--cp-size", "2")
     model = out / "model"
     index = json.loads((model / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in model.glob("model-*.safetensors"))
@@ -74,25 +81,21 @@ def test_the_runtime_route_saves_sharded_files_that_reload_as_trained(tmp_path: 
 
 
 @pytest.mark.full
-def test_one_process_saves_what_it_trained(tmp_path: Path) -> None:
-    """cp 1 under plain python: the model prepare_model sharded over a world of one."""
-    out = tmp_path / "one"
-    proc = subprocess.run([sys.executable, str(WORKER), "runtime", str(out)], cwd=tmp_path, env=launch_env(tmp_path),
-                          capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def test_one_process_saves_what_it_trained(tmp_path: Path, pools) -> None:
+    """cp 1 in one process: the model prepare_model sharded over a world of one."""
+    out = run_runtime_route(tmp_path, pools, "--nproc-per-node", "1")
     assert_reloads_as_trained(out / "model", out)
 
 
 @pytest.mark.full
-def test_a_save_under_ulysses_reloads_as_trained(tmp_path: Path) -> None:
-    out = run_route(tmp_path, "runtime", *CPU2, "--sp-size", "2", "--cp-size", "1")
+def test_a_save_under_ulysses_reloads_as_trained(tmp_path: Path, pools) -> None:
+    out = run_runtime_route(tmp_path, pools, "--nproc-per-node", "2", "--sp-size", "2", "--cp-size", "1")
     assert_reloads_as_trained(out / "model", out)
 
 
 @pytest.mark.full
-def test_a_save_at_cp2_x_dp_shard2_reloads_as_trained(tmp_path: Path) -> None:
-    out = run_route(tmp_path, "runtime", "--device", "cpu", "--nproc-per-node", "4", "--cp-size", "2",
-                    "--dp-shard-size", "2")
+def test_a_save_at_cp2_x_dp_shard2_reloads_as_trained(tmp_path: Path, pools) -> None:
+    out = run_runtime_route(tmp_path, pools, "--nproc-per-node", "4", "--cp-size", "2", "--dp-shard-size", "2")
     assert_reloads_as_trained(out / "model", out)
 
 

@@ -1,10 +1,11 @@
 """End to end: scripts/train_llama.py under `cpctl launch` gives the losses of one plain process.
 
-The reference is `python scripts/train_llama.py` (a world of one, no CP). Every layout below
-must reproduce its per-step losses within 1e-4. A second reference with --lr 0 shows the
-comparison is about training: from step 1 on its losses are far from the trained ones, so a
-layout whose gradients or optimizer steps were wrong could not match. Each launch costs
-seconds (an `import torch` per process), so the runs are few and shared by the tests.
+The reference is scripts/train_llama.py in one process (a world of one, no CP). Every layout below
+must reproduce its per-step losses within 1e-4: cp 2 launched by `cpctl launch`, the others (full
+tier) with the profile the same flags give, in the session's pools of processes (tests/pool.py).
+A second reference with --lr 0 shows the comparison is about training: from step 1 on its losses
+are far from the trained ones, so a layout whose gradients or optimizer steps were wrong could not
+match. Each run is shared by the tests that read it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import json
 from pathlib import Path
 
 import pytest
-from launching import REPO, cpctl, finish, launch_once, plain_losses
+from launching import REPO, cpctl, finish, launch_once, tiered
+from pool import Pools
 
 SCRIPT = REPO / "scripts" / "train_llama.py"
 TRAIN_ARGS = ("--preset", "tiny", "--steps", "4", "--seq-len", "64", "--global-batch", "2")
@@ -50,37 +52,46 @@ EXPECTED_SIZES = {"cp2": (2, 2, 1), "cp4": (4, 4, 1), "dp2-cp2": (4, 2, 2), "cp2
                   "cp2-mixed-fit": (2, 2, 1), "tp2-cp2": (4, 2, 1), "hsdp2-cp2": (4, 2, 2)}
 
 
-def plain_run(tmp: Path, *extra: str) -> dict:
-    return plain_losses(SCRIPT, *TRAIN_ARGS, *extra, tmp_path=tmp)
+def plain_run(pools: Pools, tmp: Path, *extra: str) -> dict:
+    """The losses file of the example in one process (the session's pool of one, tests/pool.py)."""
+    out = tmp / "losses.json"
+    pools[1].run(SCRIPT, *TRAIN_ARGS, *extra, "--losses-out", str(out), cwd=tmp)
+    return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return plain_run(tmp_path_factory.mktemp("train_reference"))
+def reference(tmp_path_factory: pytest.TempPathFactory, pools) -> dict:
+    return plain_run(pools, tmp_path_factory.mktemp("train_reference"))
 
 
 @pytest.fixture(scope="module")
-def untrained(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    return plain_run(tmp_path_factory.mktemp("train_lr0"), "--lr", "0")
+def untrained(tmp_path_factory: pytest.TempPathFactory, pools) -> dict:
+    return plain_run(pools, tmp_path_factory.mktemp("train_lr0"), "--lr", "0")
 
 
 SCRIPT_ARGS = {"cp2-chunked-loss": ("--chunked-loss",)}  # the example's own options, per layout
 
 
-def launch_layout(tmp: Path, layout: str) -> dict:
-    """The losses file of one `cpctl launch` of the example in `layout`."""
-    out = tmp / "losses.json"
-    code, stdout, stderr = finish(cpctl("--device", "cpu", *LAYOUTS[layout], str(SCRIPT), *TRAIN_ARGS,
-                                        *SCRIPT_ARGS.get(layout, ()), "--losses-out", str(out), tmp_path=tmp))
-    if code != 0 or not out.exists():
-        pytest.fail(f"cpctl launch {layout} exited {code}:\n{stdout}\n{stderr}")
-    return json.loads(out.read_text())
+LAUNCHED = "cp2"  # through `cpctl launch` itself; the other layouts in the session's pools (tests/pool.py)
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory):
-    """layout name -> the run's losses file; each layout is launched once, on first use."""
-    return launch_once(tmp_path_factory, "train", launch_layout)
+def launched(tmp_path_factory: pytest.TempPathFactory, pools):
+    """layout name -> the run's losses file; each layout is run once, on first use."""
+
+    def run(tmp: Path, layout: str) -> dict:
+        out = tmp / "losses.json"
+        script_args = (*TRAIN_ARGS, *SCRIPT_ARGS.get(layout, ()), "--losses-out", str(out))
+        if layout != LAUNCHED:
+            pools.run(SCRIPT, *script_args, flags=LAYOUTS[layout], cwd=tmp)
+            return json.loads(out.read_text())
+        code, stdout, stderr = finish(cpctl("--device", "cpu", *LAYOUTS[layout], str(SCRIPT), *script_args,
+                                            tmp_path=tmp))
+        if code != 0 or not out.exists():
+            pytest.fail(f"cpctl launch {layout} exited {code}:\n{stdout}\n{stderr}")
+        return json.loads(out.read_text())
+
+    return launch_once(tmp_path_factory, "train", run)
 
 
 def test_the_reference_trains(reference: dict, untrained: dict) -> None:
@@ -93,7 +104,7 @@ def test_the_reference_trains(reference: dict, untrained: dict) -> None:
     assert all(abs(trained - still) > 100 * TOLERANCE for trained, still in zip(losses[1:], frozen[1:]))
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, quick={LAUNCHED}))
 def test_launched_losses_equal_the_single_process_losses(launched, reference: dict, layout: str) -> None:
     run = launched(layout)
     assert (run["world"], run["cp"], run["dp"]) == EXPECTED_SIZES[layout]

@@ -22,6 +22,8 @@ from saved_models import largest_difference
 pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
+pytestmark = pytest.mark.full  # TRL's real sft script: slow to start
+
 TOLERANCE = 1e-4
 CP2 = ("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api", "accelerate")
 STEPS = 3

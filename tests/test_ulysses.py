@@ -1,19 +1,19 @@
 """Ulysses (sp) and 2D (sp x cp ring) attention against single-process SDPA on the full sequence.
 
-tests/workers/ulysses_cases.py runs every case under `torch.distributed.run` with gloo on CPU at
-world 4, once, for each (cp, sp) layout: sp 4; sp 2 x cp 2 with both ring strategies; sp 2 twice
+tests/workers/ulysses_cases.py runs every case with gloo on CPU in the session's pool of 4
+processes (tests/pool.py), once, for each (cp, sp) layout: sp 4; sp 2 x cp 2 with both ring strategies; sp 2 twice
 side by side. fp32 bar: 1e-5, as the CP engine's.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, launch_env, launch_once
+from launching import REPO
+from pool import Pool
 
 sys.path.insert(0, str(REPO / "tests" / "workers"))
 from ulysses_cases import LAYOUTS, cases
@@ -38,14 +38,9 @@ def case_id(cp: int, sp: int, case: dict) -> str:
 ALL = [(cp, sp, case) for cp, sp in LAYOUTS for case in cases(cp)]
 
 
-def run_worker(tmp: Path) -> dict[str, dict]:
+def run_worker(tmp: Path, pool: Pool) -> dict[str, dict]:
     out = tmp / "cases.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD), str(WORKER),
-         str(out)], cwd=tmp, env=launch_env(tmp), check=False, capture_output=True, text=True, timeout=TIMEOUT,
-    )
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"ulysses worker exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-6000:]}")
+    pool.run(WORKER, str(out), cwd=tmp, timeout=TIMEOUT)
     lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     records = {}
     for record in lines:
@@ -56,8 +51,8 @@ def run_worker(tmp: Path) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory):
-    return launch_once(tmp_path_factory, "ulysses", run_worker)()
+def records(tmp_path_factory: pytest.TempPathFactory, pools):
+    return run_worker(tmp_path_factory.mktemp("ulysses"), pools[4])
 
 
 def test_the_worker_ran_every_case(records) -> None:
@@ -106,22 +101,16 @@ from ulysses_memory import HEAD_DIM, HEADS, SP_SIZES
 MEMORY_CASES = [(sp, q_heads, kv_heads, batch) for sp in SP_SIZES for q_heads, kv_heads in HEADS for batch in (1, 2)]
 
 
-def run_memory_worker(tmp: Path) -> dict[tuple, dict]:
+def run_memory_worker(tmp: Path, pool: Pool) -> dict[tuple, dict]:
     out = tmp / "memory.jsonl"
-    proc = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
-         str(MEMORY_WORKER), str(out)], cwd=tmp, env=launch_env(tmp), check=False, capture_output=True, text=True,
-        timeout=TIMEOUT,
-    )
-    if proc.returncode != 0 or not out.exists():
-        pytest.fail(f"ulysses memory worker exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr[-6000:]}")
+    pool.run(MEMORY_WORKER, str(out), cwd=tmp, timeout=TIMEOUT)
     records = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     return {(r["sp"], r["q_heads"], r["kv_heads"], r["batch"]): r for r in records}
 
 
 @pytest.fixture(scope="module")
-def memory_records(tmp_path_factory: pytest.TempPathFactory):
-    return launch_once(tmp_path_factory, "ulysses-memory", run_memory_worker)()
+def memory_records(tmp_path_factory: pytest.TempPathFactory, pools):
+    return run_memory_worker(tmp_path_factory.mktemp("ulysses-memory"), pools[4])
 
 
 @pytest.mark.parametrize("case", MEMORY_CASES, ids=lambda c: "sp{}-heads{}:{}-batch{}".format(*c))

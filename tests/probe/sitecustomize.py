@@ -21,9 +21,9 @@ TARGET = "cpctl.runtime.runtime"
 
 
 def _instrument(module) -> None:
-    runtime_class = module.Runtime
+    context_class = sys.modules["cpctl.runtime.context"].StepContext  # what every route's steps go through
     record = {"steps": [], "attention_q_lens": [], "cp_size": None}
-    enter, attend = runtime_class.maybe_context_parallel, runtime_class.step_attention
+    enter, attend = context_class.maybe_context_parallel, context_class.step_attention
 
     def maybe_context_parallel(self, **kwargs):
         context = enter(self, **kwargs)
@@ -32,8 +32,8 @@ def _instrument(module) -> None:
             def __enter__(inner):
                 result = context.__enter__()
                 padding = self.padding
-                record["cp_size"] = self.cp_size
-                record["steps"].append({"local": self.step_local_length,
+                record["cp_size"] = self.mesh.cp_size
+                record["steps"].append({"local": self.last_step.local_length,
                                         "length": padding.length if padding else None,
                                         "padded": padding.padded if padding else None})
                 return result
@@ -47,8 +47,8 @@ def _instrument(module) -> None:
         record["attention_q_lens"].append(int(q.shape[-2]))
         return attend(self, q, k, v, **options)
 
-    runtime_class.maybe_context_parallel = maybe_context_parallel
-    runtime_class.step_attention = step_attention
+    context_class.maybe_context_parallel = maybe_context_parallel
+    context_class.step_attention = step_attention
 
     def write() -> None:
         with open(os.path.join(DIR, f"rank{os.environ.get('RANK', '0')}.json"), "w") as f:

@@ -128,7 +128,9 @@ def run_case(*, strategy, causal, load_balance, q_heads, kv_heads, batch, seq, d
 def main():
     output = sys.argv[1]
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
+    started_here = not dist.is_initialized()  # in tests/pool.py's processes the group is the pool's
+    if started_here:
+        dist.init_process_group("nccl" if device_type == "cuda" else "gloo")
     if device_type == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
@@ -171,7 +173,8 @@ def main():
                 f.write(json.dumps(record) + "\n")
     # every rank done before any tears gloo down: a rank leaving first aborts its peers' pending pair threads
     dist.barrier()
-    dist.destroy_process_group()
+    if started_here:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

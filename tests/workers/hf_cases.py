@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 import cpctl
-import cpctl.runtime.runtime
+import cpctl.runtime.context
 from cpctl.runtime.tiling import tiled_layers
 
 
@@ -42,7 +42,7 @@ def main() -> None:
     F.cross_entropy(ref_logits.flatten(0, 1), labels.flatten(), ignore_index=-100).backward()
 
     # The CP step, as README.md's training loop writes it; the engine's calls are counted.
-    attention_calls = count_calls(cpctl.runtime.runtime, "context_parallel_attention")
+    attention_calls = count_calls(cpctl.runtime.context, "context_parallel_attention")
     pos = cpctl.position_ids_like(ids)
     with rt.maybe_context_parallel(buffers=[ids, labels, pos], buffer_seq_dims=[1, 1, 1],
                                    no_restore_buffers={ids, labels, pos}):

@@ -57,6 +57,7 @@ import torch.nn.functional as F
 import transformers as hf
 
 import cpctl
+from cpctl.runtime.runtime import step_context
 
 VOCAB, BATCH, SEQ, STEPS, LR = 128, 2, 64, 2, 0.1
 # cp 2 with head-tail load balancing cuts 64 tokens into 4 chunks of 16: a window of 24 reaches
@@ -241,7 +242,7 @@ def cp_loss(rt: cpctl.Runtime, model: nn.Module, ids: torch.Tensor, case: str) -
         loss = output.loss
         value = loss.detach().float().clone()
         if rt.cp_size > 1:  # each rank's own mean: report the CP group's mean
-            dist.all_reduce(value, group=rt.cp_group)
+            dist.all_reduce(value, group=rt.axes["cp"].get_group())
             value /= rt.cp_size
         return value.item(), output.logits.shape[1]
     labels = cpctl.shift_labels(ids)
@@ -292,9 +293,9 @@ def run_case(rt: cpctl.Runtime, name: str, base: nn.Module, case: str) -> dict:
             loss = reference_loss(reference, ids.clone().cpu(), case)
             loss.backward()
             result["losses_ref"].append(loss.item())
-            calls = rt.attention_calls
+            calls = step_context(rt).attention_calls
             value, result["local_len"] = cp_loss(rt, model, ids.clone(), case)
-            result["engine_calls"] = rt.attention_calls - calls
+            result["engine_calls"] = step_context(rt).attention_calls - calls
             result["losses_cp"].append(value)
             if step == 0:
                 ref_grads = {n: full_grad(p) for n, p in reference.named_parameters()}

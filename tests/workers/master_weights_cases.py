@@ -25,7 +25,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import cpctl
-from cpctl.runtime.runtime import Runtime
+from cpctl.runtime.runtime import Runtime, step_context
 
 LR = 1e-5  # an Adam step moves each weight by about this: below bf16's resolution at the init's 0.02 scale
 
@@ -48,7 +48,7 @@ def bf16_llama() -> LlamaForCausalLM:
 
 def variant(rt: Runtime, **fsdp) -> Runtime:
     config = dataclasses.replace(rt.config, fsdp=dataclasses.replace(rt.config.fsdp, **fsdp))
-    return Runtime(config=config, mesh=rt.mesh, device=rt.device, axes=rt.axes)
+    return Runtime(config, step_context(rt).mesh, rt.device)
 
 
 def full(tensor: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 import cpctl
 from cpctl import planner
 from cpctl.runtime.pinned import HostArena, offload_saved_activations
+from cpctl.runtime.runtime import preparation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from llama import Llama, LlamaConfig  # noqa: E402
@@ -57,7 +58,7 @@ def main() -> None:
     model = copy.deepcopy(reference)
     arena = None
     if offload:
-        arena = rt._host_arena = HostArena(rt.device)
+        arena = preparation(rt)._host_arena = HostArena(rt.device)
     model = rt.prepare_model(model)
     if offload:
         offload_saved_activations(model, arena=arena)

@@ -27,7 +27,7 @@ from torch.nn.functional import scaled_dot_product_attention as sdpa_by_name  # 
 
 import cpctl
 from cpctl.attention import ChunkLayout, context_parallel_attention, shard
-from cpctl.runtime.runtime import Runtime
+from cpctl.runtime.runtime import Runtime, step_context
 
 
 def randn(seed: int, *shape: int) -> torch.Tensor:
@@ -43,7 +43,7 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def variant(rt: Runtime, **parallelism) -> Runtime:
     """A second Runtime on the same mesh with other CP settings (strategy, load balance)."""
     config = dataclasses.replace(rt.config, parallelism=dataclasses.replace(rt.config.parallelism, **parallelism))
-    return Runtime(config=config, mesh=rt.mesh, device=rt.device, axes=rt.axes)
+    return Runtime(config, step_context(rt).mesh, rt.device)
 
 
 def error_of(action) -> dict:
@@ -150,8 +150,8 @@ def case_bad_inputs(rt: Runtime) -> dict:
     results["gqa_without_enable_gqa"] = error_of(lambda: rt.attention(q, q[:, :2], q[:, :2], is_causal=True))
     results["duplicate_buffer"] = error_of(entering(rt, buffers=[ids, ids], buffer_seq_dims=[1, 1]))
     fsdp1 = dataclasses.replace(rt.config, fsdp=dataclasses.replace(rt.config.fsdp, version=1))
-    results["fsdp_version_1"] = error_of(lambda: Runtime(config=fsdp1, mesh=rt.mesh, device=rt.device,
-                                                         axes=rt.axes).prepare_model(torch.nn.Linear(2, 2)))
+    results["fsdp_version_1"] = error_of(lambda: Runtime(fsdp1, step_context(rt).mesh,
+                                                         rt.device).prepare_model(torch.nn.Linear(2, 2)))
     mha = torch.nn.MultiheadAttention(8, 2, batch_first=True)
     x = randn(2, 1, 4, 8)
     results["mha_need_weights"] = error_of(inside(lambda: mha(x, x, x, need_weights=True)))
@@ -227,9 +227,9 @@ def case_step_state(rt: Runtime) -> dict:
     ids = tokens(32)
     with rt.maybe_context_parallel(buffers=[ids, pos], buffer_seq_dims=[1, 1], no_restore_buffers={pos},
                                    documents=pos.clone()) as step:
-        inside = {"shard": rt.shard(tokens(32), 1).tolist(), "active": rt.cp_active}
+        inside = {"shard": rt.shard(tokens(32), 1).tolist(), "active": step_context(rt).cp_active}
         result = ids * 2  # a result of the step, sharded as the step placed its tokens
-    after = {"shard": rt.shard(tokens(32), 1).tolist(), "active": rt.cp_active, "balance": rt.cp_balance,
+    after = {"shard": rt.shard(tokens(32), 1).tolist(), "active": step_context(rt).cp_active, "balance": rt.cp_balance,
              "local_chunks": list(rt.layout.local_chunks), "ids_restored": ids.tolist() == tokens(32).tolist(),
              "step_unshard": None if step is None else step.unshard(result, seq_dim=1).tolist(),
              "rt_unshard": error_of(lambda: rt.unshard(result, 1)),
@@ -244,8 +244,8 @@ def case_step_state(rt: Runtime) -> dict:
 
     raised = error_of(failing)
     after_error = {"raised": raised["message"], "padding": None if rt.padding is None else rt.padding.describe(),
-                   "active": rt.cp_active, "shard": rt.shard(tokens(32), 1).tolist(),
-                   "ids_restored": ids.tolist() == tokens(30).tolist(), "appended": rt.appended_in_shard(16) is not None}
+                   "active": step_context(rt).cp_active, "shard": rt.shard(tokens(32), 1).tolist(),
+                   "ids_restored": ids.tolist() == tokens(30).tolist(), "appended": step_context(rt).appended_in_shard(16) is not None}
     # Labels kept sharded after a padded step are still checked against the tokens it appended.
     labels = tokens(30)  # no -100 anywhere: the appended labels repeat the last one
     with rt.maybe_context_parallel(buffers=[labels], buffer_seq_dims=[1], no_restore_buffers={labels}):
@@ -416,13 +416,13 @@ def case_single_process(rt: Runtime) -> dict:
     window = torch.ones(7, 7, dtype=torch.bool).tril().triu(-1)  # a mask CP would reject
     outside = F.scaled_dot_product_attention(q, k, v, attn_mask=window)
     causal_outside = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    calls = rt.attention_calls
+    calls = step_context(rt).attention_calls
     with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={ids}):
         inside_ids = ids.tolist()
         inside = F.scaled_dot_product_attention(q, k, v, attn_mask=window)  # runs as it is: nothing sharded
         causal_inside = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # through the engine
         loss = rt.token_mean(torch.tensor(20.0), torch.tensor([[1, 2, -100, 3, 4, 5, -100]]))
-    engine_calls = rt.attention_calls - calls
+    engine_calls = step_context(rt).attention_calls - calls
     documents = cpctl.position_ids_for_documents([[3, 4]])
     with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1], documents=documents):
         packed = F.scaled_dot_product_attention(q, k, v, is_causal=True)

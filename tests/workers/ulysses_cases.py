@@ -117,7 +117,9 @@ def main():
     on_cuda = torch.cuda.is_available()
     if on_cuda:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if on_cuda else "gloo")
+    started_here = not dist.is_initialized()  # in tests/pool.py's processes the group is the pool's
+    if started_here:
+        dist.init_process_group("nccl" if on_cuda else "gloo")
     world = dist.get_world_size()
     records = []
     for cp, sp in LAYOUTS if not on_cuda else [(c, s) for c, s in ((1, world), (2, world // 2)) if c * s == world]:
@@ -133,7 +135,8 @@ def main():
         Path(output).write_text("".join(json.dumps(record) + "\n" for record in records))
     # every rank done before any tears gloo down: a rank leaving first aborts its peers' pending pair threads
     dist.barrier()
-    dist.destroy_process_group()
+    if started_here:
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""One rank of tests/pool.py's long-lived gloo pool, started once per session by torch.distributed.run.
+
+    python -m torch.distributed.run --standalone --nproc-per-node W tests/workers/pool_worker.py JOBS_DIR OWNER_PID
+
+torch, transformers and cpctl are imported once, here; then each job (JOBS_DIR/job{N}.json: a worker
+script, its arguments, its cwd and environment) runs as `python SCRIPT ARGS` would, in every rank,
+on the process group this pool started. Each rank prints to JOBS_DIR/job{N}.rank{R}.out, and then
+writes JOBS_DIR/job{N}.rank{R}.json: whether the script ended well, its traceback otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import runpy
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch.distributed as dist
+
+import cpctl  # noqa: F401  (imported once for every job)
+import cpctl.runtime.runtime
+
+with contextlib.suppress(ImportError):  # most jobs build Hugging Face models
+    import transformers  # noqa: F401
+    from transformers import LlamaForCausalLM, MistralForCausalLM  # noqa: F401  (their modeling modules)
+
+POLL_S = 0.01
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def forget_runtime() -> None:
+    """Each job's cpctl.init() builds its own runtime (its profile, its mesh) on the pool's process group."""
+    runtime = cpctl.runtime.runtime
+    if not hasattr(runtime, "_RUNTIME"):
+        raise RuntimeError("cpctl.runtime.runtime._RUNTIME is gone: tests/workers/pool_worker.py must learn how "
+                           "cpctl.init() keeps its runtime now")
+    runtime._RUNTIME = None
+    runtime._INIT_OVERRIDES = {}
+
+
+def run(job: dict, output: Path) -> str | None:
+    """Runs the job; returns None, or why it failed. What it prints goes to `output` as it is printed."""
+    environ, cwd, argv, path = dict(os.environ), os.getcwd(), sys.argv, list(sys.path)
+    failure = None
+    os.environ.update(job["env"])
+    os.chdir(job["cwd"])
+    sys.argv = [job["script"], *job["args"]]
+    sys.path.insert(0, str(Path(job["script"]).parent))  # as `python SCRIPT` has it
+    forget_runtime()
+    try:
+        with output.open("w", buffering=1) as printed, contextlib.redirect_stdout(printed), \
+                contextlib.redirect_stderr(printed):
+            runpy.run_path(job["script"], run_name="__main__")
+    except SystemExit as exit_:
+        if exit_.code not in (None, 0):
+            failure = f"exited {exit_.code}"
+    except BaseException:  # noqa: BLE001 - every failure is the job's result
+        failure = traceback.format_exc()
+    finally:
+        forget_runtime()
+        os.environ.clear()
+        os.environ.update(environ)
+        os.chdir(cwd)
+        sys.argv = argv
+        sys.path[:] = path
+    return failure
+
+
+def main() -> None:
+    jobs, owner = Path(sys.argv[1]), int(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    # A rank whose agent or test session is gone (killed, or a failed job's pool stopped) must not
+    # wait for jobs forever.
+    agent = os.getppid()
+    # a job that leaves its peers waiting fails in the pool's time limit; this one only ends a forgotten pool
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+    number = 0
+    while True:
+        job_file = jobs / f"job{number}.json"
+        while not job_file.exists():
+            if os.getppid() != agent or not alive(owner):
+                os._exit(1)
+            time.sleep(POLL_S)
+        job = json.loads(job_file.read_text())
+        if job.get("stop"):
+            break
+        failure = run(job, jobs / f"job{number}.rank{rank}.out")
+        done = jobs / f"job{number}.rank{rank}.json"
+        partial = done.with_suffix(".partial")
+        partial.write_text(json.dumps({"failure": failure}))
+        partial.rename(done)  # the test side never reads half a result
+        number += 1
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
