@@ -10,9 +10,8 @@ with real `cpctl launch` runs.
 Tiers: `pytest` runs the quick tier (every pure and in-process test, and per capability at least
 one real multi-process run); `pytest --full` adds the tests marked `full` at the test
 (`@pytest.mark.full`, or `launching.tiered` for the rest of a launch matrix).
-Measured 2026-12-03 on 2 cores shared with other test runs: the quick tier 449 s (load average 3
-to 9; the same selection took 1168 s under like load before the pools), the full tier 1369 s
-(load average 2 to 18; 29 minutes idle before the pools)."""
+Measured 2026-12-03 on 2 idle cores: the quick tier 381 s (481 s before the pools), the full
+tier 1298 s (29 minutes before)."""
 
 from __future__ import annotations
 
