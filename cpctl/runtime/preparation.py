@@ -17,6 +17,7 @@ pinned.py, guards.py); accelerate, which applies FSDP itself, runs steps 1-5 (`b
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from torch import nn
@@ -114,21 +115,24 @@ class ModelPreparation:
         if memory.tiled_norm_tokens:
             apply_tiled_norms(found, tile_tokens=memory.tiled_norm_tokens, model=model)
         if checkpointing:
-            self.levels = BlockLevels(self.config, blocks=len(found), model=model, device=self.context.device)
-            wrappers = apply_activation_checkpointing(found, model, contexts=self._block_contexts)
-            if self.levels.choosing and wrappers:  # before its level is asked for: the step's shape
-                wrappers[0].register_forward_pre_hook(self._observe_first_block, with_kwargs=True)
+            # each model's blocks read their own model's levels (self.levels reports the latest's count)
+            levels = self.levels = BlockLevels(self.config, blocks=len(found), model=model, device=self.context.device)
+            wrappers = apply_activation_checkpointing(found, model,
+                                                      contexts=functools.partial(self._block_contexts, levels=levels))
+            if levels.choosing and wrappers:  # before its level is asked for: the step's shape
+                wrappers[0].register_forward_pre_hook(functools.partial(self._observe_first_block, levels=levels),
+                                                      with_kwargs=True)
             found = find_blocks(model) if blocks is None else found
         return found
 
-    def _block_contexts(self, index: int):
-        """Called at each call of checkpointed block `index`: the contexts around its forward and its recompute."""
-        return self.context.block_contexts(selective=self.levels is not None and self.levels.selective(index),
-                                           arena=self.host_arena)
+    def _block_contexts(self, index: int, *, levels: BlockLevels):
+        """Called at each call of checkpointed block `index` of the model `levels` belongs to: the contexts
+        around its forward and its recompute."""
+        return self.context.block_contexts(selective=levels.selective(index), arena=self.host_arena)
 
-    def _observe_first_block(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.levels is not None:
-            self.levels.observe(args[0] if args else kwargs.get("hidden_states"))
+    @staticmethod
+    def _observe_first_block(module: nn.Module, args: tuple, kwargs: dict, *, levels: BlockLevels) -> None:
+        levels.observe(args[0] if args else kwargs.get("hidden_states"))
 
     def _shard(self, model: nn.Module, blocks: list[nn.Module]) -> None:
         """Step 6: FSDP2, or, without it, a refusal where ranks would drift apart."""
