@@ -172,6 +172,8 @@ def print_memory_plan(result: Any, resolved: Any) -> None:
 
 def print_step_time(result: Any) -> None:
     """The step's predicted time by component, and the layouts that fit ranked by their time."""
+    from cpctl import planner
+
     out = _stdout()
     time, figures = result.time, result.figures
     if time is None:
@@ -195,7 +197,7 @@ def print_step_time(result: Any) -> None:
             current.sp, current.cp, current.strategy, current.activation_checkpointing, current.checkpoint_level)
         label = escape(entry.label()) + (" [dim](this profile's)[/]" if same else "")
         table.add_row(label, f"{entry.time.total:.2f}", f"{entry.time.tokens_per_s:,.0f}",
-                      f"{entry.estimate.peak / 2**30:.1f}")
+                      f"{entry.estimate.peak / planner.GiB:.1f}")
     out.print(table)
     if len(result.ranked) > 8:
         out.print(f"[dim]and {len(result.ranked) - 8} slower (--json lists them all)[/]")

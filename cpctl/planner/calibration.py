@@ -135,9 +135,9 @@ def calibrate(device: str = "cuda", *, dim: int = 4096, ffn_dim: int = 14336, sm
         seconds = _timed(lambda: torch.add(a, b, out=out), synchronize=synchronize, repeats=repeats)
         return 3 * n * a.element_size() / seconds / 1e9
 
-    def pcie_gbps() -> float:
+    def pcie_gbps(memory_gbps: float) -> float:
         if not cuda:
-            return hbm_gbps()  # on CPU "offloaded" tensors stay in the same memory
+            return memory_gbps  # on CPU "offloaded" tensors stay in the same memory
         n = 2**28  # 1 GiB of fp32 each way
         host = torch.empty(n, dtype=torch.float32, pin_memory=True)
         gpu = torch.empty(n, dtype=torch.float32, device=target)
@@ -173,12 +173,13 @@ def calibrate(device: str = "cuda", *, dim: int = 4096, ffn_dim: int = 14336, sm
     forward, backward = {}, {}
     for head_dim in HEAD_DIMS:
         forward[head_dim], backward[head_dim] = (_figures(rate) for rate in attention_tflops(head_dim))
+    memory = hbm_gbps()
     name = torch.cuda.get_device_name(target) if cuda else "CPU"
     return Throughputs(
         name=name, source=f"calibrated on this machine ({name}, torch {torch.__version__}, "
                           f"{time.strftime('%Y-%m-%d')}): cpctl plan --calibrate",
         matmul_tflops=_figures(matmul_tflops()), attention_forward_tflops=forward,
-        attention_backward_tflops=backward, hbm_gbps=_figures(hbm_gbps()), pcie_gbps=_figures(pcie_gbps()),
+        attention_backward_tflops=backward, hbm_gbps=_figures(memory), pcie_gbps=_figures(pcie_gbps(memory)),
         host_adam_params_per_s=_figures(host_adam_params_per_s()),
         nvlink_gbps=H200.nvlink_gbps, network_gbps=H200.network_gbps,
         attention_half_rate_tokens=H200.attention_half_rate_tokens, block_launch_s=H200.block_launch_s,

@@ -96,7 +96,7 @@ def predict(model: ModelShape, setup: Setup, seq_len: int, figures: Throughputs,
                "launches": _launch_seconds(z, figures), "expert routing": _routing_seconds(z, figures)}
     seconds = dict(compute)
     seconds.update(_offload_seconds(z, figures))
-    seconds.update(_communication_seconds(z, figures, compute, document_tokens))
+    seconds.update(_communication_seconds(z, figures, compute))
     replicas = max(1, setup.gpus // (setup.seq_ranks * setup.dp_shard * setup.tp)) * setup.dp_shard
     return StepTime({name: value for name, value in seconds.items() if value > 0},
                     tokens_per_step=setup.batch * seq_len * replicas, gpus=setup.gpus)
@@ -109,7 +109,7 @@ def attention_call_seconds(model: ModelShape, setup: Setup, seq_len: int, figure
     z = Sizes(model, dataclasses.replace(setup, activation_checkpointing=False), seq_len)
     attention = _attention_seconds(z, figures, document_tokens)
     hidden = {"attention": attention, "matmuls": 0.0}
-    exposed = _communication_seconds(z, figures, hidden, document_tokens)
+    exposed = _communication_seconds(z, figures, hidden)
     exposed.pop("FSDP, not hidden", None)  # no parameters in an attention call
     return (attention + sum(exposed.values())) / model.n_layers
 
@@ -120,6 +120,11 @@ def attention_call_seconds(model: ModelShape, setup: Setup, seq_len: int, figure
 def _recomputes(z: Sizes) -> int:
     """Forwards of a block beyond the first: 1 with checkpointing (every level recomputes the projections)."""
     return 1 if z.setup.activation_checkpointing else 0
+
+
+def _attention_recomputed(z: Sizes) -> int:
+    """1 where checkpointing recomputes attention (and its exchange) in some block: not all selective."""
+    return int(z.setup.activation_checkpointing and selective_layers(z) < z.model.n_layers)
 
 
 def _matmul_seconds(z: Sizes, figures: Throughputs) -> float:
@@ -280,8 +285,7 @@ def _link_gbps(z: Sizes, figures: Throughputs, ranks: int) -> float:
     return figures.nvlink_gbps if ranks <= z.setup.gpus_per_node else figures.network_gbps
 
 
-def _communication_seconds(z: Sizes, figures: Throughputs, compute: dict[str, float],
-                           document_tokens: int | None) -> dict[str, float]:
+def _communication_seconds(z: Sizes, figures: Throughputs, compute: dict[str, float]) -> dict[str, float]:
     model, setup, tokens, act = z.model, z.setup, z.local_tokens, z.act
     seconds: dict[str, float] = {}
     shards = z.shards
@@ -295,10 +299,10 @@ def _communication_seconds(z: Sizes, figures: Throughputs, compute: dict[str, fl
         busy = (gathered + reduced) / (_link_gbps(z, figures, setup.gpus) * 1e9)
         seconds["FSDP, not hidden"] = max(0.0, busy - compute["matmuls"])
     if setup.cp > 1:
-        seconds["CP K/V, not hidden"] = _cp_exposed(z, figures, compute, document_tokens)
+        seconds["CP K/V, not hidden"] = _cp_exposed(z, figures, compute)
     if setup.sp > 1:  # q, k, v and out each way in forward and in backward, again when recomputed
         per_call = act * (2 * model.q_dim + 2 * model.kv_dim * z.kv_copies) / setup.tp * tokens * (setup.sp - 1) / setup.sp
-        calls = 2 + (1 if setup.activation_checkpointing and selective_layers(z) < model.n_layers else 0)
+        calls = 2 + _attention_recomputed(z)
         seconds["Ulysses all-to-all"] = model.n_layers * calls * per_call / (figures.nvlink_gbps * 1e9)
     if setup.tp > 1:  # two all-reduces of the hidden states per block and pass
         per_pass = 2 * 2 * act * model.dim * tokens * (setup.tp - 1) / setup.tp
@@ -306,16 +310,15 @@ def _communication_seconds(z: Sizes, figures: Throughputs, compute: dict[str, fl
     return seconds
 
 
-def _cp_exposed(z: Sizes, figures: Throughputs, compute: dict[str, float], document_tokens: int | None) -> float:
+def _cp_exposed(z: Sizes, figures: Throughputs, compute: dict[str, float]) -> float:
     """K/V exchange of the ring group that compute does not hide, per step."""
     model, setup, act = z.model, z.setup, z.act
     cp = setup.cp
-    link = _link_gbps(z, figures, setup.gpus_per_node + 1 if setup.seq_ranks * setup.tp > setup.gpus_per_node
-                      else setup.seq_ranks * setup.tp) * 1e9
+    link = _link_gbps(z, figures, setup.seq_ranks * setup.tp) * 1e9  # the ranks of one sequence, tp innermost
     cp_rank_tokens = z.local_tokens * setup.sp  # what one cp rank holds, before Ulysses splits it
     kv = 2 * act * model.kv_dim * z.kv_copies / (setup.tp * setup.sp) * cp_rank_tokens  # one rank's K and V
     attention_per_layer = compute["attention"] / model.n_layers
-    recomputed = setup.activation_checkpointing and selective_layers(z) < model.n_layers
+    recomputed = _attention_recomputed(z)
     # forward (and its recompute): K/V in; backward: K/V in, and their fp32 gradients out
     volume = kv * (1 + recomputed + 1) + 2 * kv * 2
     if setup.strategy == "allgather":
