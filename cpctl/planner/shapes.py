@@ -123,6 +123,16 @@ class ModelShape:
         return self.moe_layers * self.block_params + (self.n_layers - self.moe_layers) * dense
 
     @property
+    def active_expert_params(self) -> int:
+        """The experts' weights one token runs through: its top-k experts of each MoE layer."""
+        return self.moe_layers * self.experts_per_token * 3 * self.dim * self.expert_ffn_dim
+
+    @property
+    def active_mlp_params(self) -> int:
+        """Every MLP weight one token runs through: the dense layers' and its experts'."""
+        return (self.n_layers - self.moe_layers) * self.dense_mlp_params + self.active_expert_params
+
+    @property
     def active_layers_params(self) -> int:
         """The blocks' parameters one token runs through: its top-k experts of each MoE layer."""
         unused = self.moe_layers * (self.experts - self.experts_per_token) * 3 * self.dim * self.expert_ffn_dim

@@ -138,7 +138,7 @@ def _expert_flops(z: Sizes) -> float:
     model, setup = z.model, z.setup
     if not model.experts:
         return 0.0
-    per_token = model.moe_layers * model.experts_per_token * 3 * model.dim * model.expert_ffn_dim / setup.tp
+    per_token = model.active_expert_params / setup.tp
     forwards = 1 + _recomputes(z) + (1 if setup.tiled_mlp_tokens else 0)
     return (2 * forwards + (4 if setup.lora is None else 2)) * per_token * z.local_tokens
 
@@ -146,8 +146,7 @@ def _expert_flops(z: Sizes) -> float:
 def _matmul_flops(z: Sizes) -> float:
     model, setup, tokens = z.model, z.setup, z.local_tokens
     blocks = (model.active_layers_params - model.n_layers * model.block_norms * model.dim) / setup.tp
-    mlp = model.n_layers * (model.dense_mlp_params if not model.experts else
-                            model.experts_per_token * 3 * model.dim * model.expert_ffn_dim) / setup.tp
+    mlp = model.active_mlp_params / setup.tp
     forwards = 1 + _recomputes(z)
     backward = 4 if setup.lora is None else 2  # a frozen weight needs no gradient of its own
     adapters = z.adapter_params / setup.tp
