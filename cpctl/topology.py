@@ -23,12 +23,18 @@ from cpctl.errors import CpctlError
 GPUS_PER_NODE = 8
 
 
+def head_tail(*, cp: int, load_balance: bool) -> bool:
+    """Whether the ring cuts a sequence into head-tail chunks (2 per rank): with cp_load_balance and
+    another rank to balance against; at cp 1 the one rank holds the sequence as one chunk."""
+    return load_balance and cp > 1
+
+
 def sequence_chunks(*, cp: int, sp: int = 1, load_balance: bool = True) -> int:
     """How many equal chunks a sequence is cut into over its cp x sp ranks: what its length must
     be a multiple of. The ring cuts it into 2 x cp chunks with cp_load_balance (head-tail: rank r
     holds chunks r and 2cp-1-r, so causal work is even), cp without, and one at cp 1 (no other
     rank to balance against); Ulysses then cuts each ring chunk over its sp ranks."""
-    ring = 2 * cp if load_balance and cp > 1 else cp
+    ring = 2 * cp if head_tail(cp=cp, load_balance=load_balance) else cp
     return ring * sp
 
 

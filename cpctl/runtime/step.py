@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cpctl import topology
 from cpctl.attention import sharding
 from cpctl.attention.sharding import ChunkLayout
 from cpctl.attention.ulysses import sequence_layout
@@ -50,7 +51,8 @@ class SequenceSplit:
 
     def plain_ring(self) -> ChunkLayout:
         """Head-tail chunks (or plain ones); at cp_size 1 one chunk: there is no other rank to balance against."""
-        return ChunkLayout(cp_size=self.cp_size, cp_rank=self.cp_rank, load_balance=self.load_balance and self.cp_size > 1)
+        return ChunkLayout(cp_size=self.cp_size, cp_rank=self.cp_rank,
+                           load_balance=topology.head_tail(cp=self.cp_size, load_balance=self.load_balance))
 
     def tokens_of(self, ring: ChunkLayout) -> ChunkLayout:
         """The tokens this rank holds: the ring's chunks, each cut over the sp ranks (sp > 1)."""
