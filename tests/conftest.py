@@ -10,8 +10,9 @@ with real `cpctl launch` runs.
 Tiers: `pytest` runs the quick tier (every pure and in-process test, and per capability at least
 one real multi-process run); `pytest --full` adds the tests marked `full` at the test
 (`@pytest.mark.full`, or `launching.tiered` for the rest of a launch matrix).
-Measured 2026-12-03 on 2 idle cores: the quick tier 381 s (481 s before the pools), the full
-tier 1298 s (29 minutes before)."""
+Measured 2026-12-03 on 2 idle cores: the quick tier 327-336 s (481 s before the pools, 381-390 s
+before its share of the numeric matrices, the references run alongside and cached bytecode), the
+full tier 1266 s (29 minutes before the pools)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ from pathlib import Path
 
 import pytest
 from launching import AMBIENT_PREFIXES
+
+# The session and every process it starts cache compiled bytecode (__pycache__, git-ignored) even
+# where the shell asks Python not to: without it each launch's processes compile cpctl again
+# (~0.8 s of CPU each) and pytest rewrites every test module again (~4 s) on each run.
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+sys.dont_write_bytecode = False
 
 
 @pytest.fixture

@@ -74,13 +74,31 @@ def probed(tmp_path: Path, world: int = 2) -> list[dict]:
     return [json.loads((tmp_path / "probe" / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
+def start_python(*argv: str, cwd: Path) -> Callable[[], str]:
+    """Starts `python ARGV` in launch_env and returns what waits for it to exit 0 and gives its
+    output: a one-process reference that runs while the launch it is compared with starts (both
+    spend seconds importing; the 2 cores of a small machine would otherwise take turns idling)."""
+    proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, env=launch_env(cwd), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+    def wait() -> str:
+        code, stdout, stderr = finish(proc, what=f"python {' '.join(argv[:2])}")
+        assert code == 0, stdout + stderr
+        return stdout + stderr
+
+    return wait
+
+
 def plain_losses(script: Path, *args: str, tmp_path: Path) -> dict:
     """The losses file of `python SCRIPT ARGS --losses-out FILE`: one plain process, the reference."""
+    return start_plain(script, *args, tmp_path=tmp_path)()
+
+
+def start_plain(script: Path, *args: str, tmp_path: Path) -> Callable[[], dict]:
+    """plain_losses, started (start_python): call the result for the losses file."""
     out = tmp_path / "losses.json"
-    proc = subprocess.run([sys.executable, str(script), *args, "--losses-out", str(out)], cwd=tmp_path,
-                          env=launch_env(tmp_path), check=False, capture_output=True, text=True, timeout=TIMEOUT)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads(out.read_text())
+    done = start_python(str(script), *args, "--losses-out", str(out), cwd=tmp_path)
+    return lambda: (done(), json.loads(out.read_text()))[1]
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -88,13 +106,13 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
-def finish(proc: subprocess.Popen) -> tuple[int, str, str]:
+def finish(proc: subprocess.Popen, what: str = "cpctl launch") -> tuple[int, str, str]:
     try:
         out, err = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
-        pytest.fail(f"cpctl launch did not finish in {TIMEOUT}s:\n{out}\n{err}")
+        pytest.fail(f"{what} did not finish in {TIMEOUT}s:\n{out}\n{err}")
     return proc.returncode, out, err
 
 

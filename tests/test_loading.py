@@ -8,12 +8,10 @@ Bad checkpoints are one line. The host memory it saves is measured by scripts/be
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, TIMEOUT, cpctl, error_lines, finish, launch_env
+from launching import REPO, cpctl, error_lines, finish, start_python
 from pool import Pools
 
 pytest.importorskip("transformers")
@@ -92,14 +90,13 @@ def test_an_accelerate_script_reads_the_checkpoint_on_rank_0_only_and_trains_as_
     until accelerate's FSDP2 preparation sends it its shards from rank 0."""
     path = checkpoint(tmp_path, pools, tied=True)
     plain = tmp_path / "plain.json"
-    proc = subprocess.run([sys.executable, str(WORKER), str(path), str(plain), "--accelerate"], cwd=tmp_path,
-                          env=launch_env(tmp_path), capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    one_process = start_python(str(WORKER), str(path), str(plain), "--accelerate", cwd=tmp_path)
     out = tmp_path / "result.json"
     code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api",
                                         "accelerate", str(WORKER), str(path), str(out), "--accelerate",
                                         tmp_path=tmp_path))
     assert code == 0, stdout + stderr
+    one_process()
     result, reference = json.loads(out.read_text()), json.loads(plain.read_text())
     assert result["names_differ"] == [] and result["largest_weight_difference"] == 0.0
     assert result["dtypes"] == ["torch.float32"]  # fp32 master weights from the bf16 checkpoint

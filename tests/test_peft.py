@@ -8,13 +8,12 @@ with `save_pretrained` reload in plain peft with the trained model's logits.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO, TIMEOUT, cpctl, error_lines, finish, launch_env, tiered
+from launching import REPO, cpctl, error_lines, finish, start_python, tiered
 from pool import Pools
 
 pytest.importorskip("peft")
@@ -24,11 +23,6 @@ CP2 = ("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2")
 TOLERANCE = 1e-5
 
 
-def run_plain(tmp_path: Path, out: Path, *extra: str) -> dict:
-    proc = subprocess.run([sys.executable, str(WORKER), str(out), *extra], cwd=tmp_path, env=launch_env(tmp_path),
-                          capture_output=True, text=True, timeout=TIMEOUT, check=False)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return json.loads((out / "result.json").read_text())
 
 
 def run_alone(pools: Pools, tmp_path: Path, out: Path, *extra: str) -> dict:
@@ -156,11 +150,13 @@ def test_get_peft_model_after_prepare_model_is_one_line_before_any_step(tmp_path
 def test_a_trainer_with_a_peft_model_under_cp2_trains_and_saves_as_one_process(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    plain = run_plain(tmp_path, tmp_path / "plain", "--trainer")
+    one_process = start_python(str(WORKER), str(tmp_path / "plain"), "--trainer", cwd=tmp_path)
     out = tmp_path / "cp2"
     code, stdout, stderr = finish(cpctl(*CP2, "--script-api", "accelerate", str(WORKER), str(out), "--trainer",
                                         tmp_path=tmp_path))
     assert code == 0, stdout + stderr
+    one_process()
+    plain = json.loads((tmp_path / "plain" / "result.json").read_text())
     got = json.loads((out / "result.json").read_text())
     assert len(got["losses"]) == 2 and all(abs(a - b) <= TOLERANCE for a, b in zip(got["losses"], plain["losses"]))
     want = load_file(tmp_path / "plain" / "adapters" / "adapter_model.safetensors")

@@ -10,13 +10,11 @@ predicted token must be one process's. A probe (tests/probe) records that CP rea
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from launching import REPO, TIMEOUT, cpctl, finish, launch_env, probed, probed_env
+from launching import REPO, cpctl, finish, probed, probed_env, start_python
 from saved_models import largest_difference
 
 pytest.importorskip("transformers")
@@ -48,12 +46,11 @@ def results(output_dir: Path) -> dict:
 @pytest.fixture(scope="module")
 def run_clm(tmp_path_factory: pytest.TempPathFactory, tiny_hub: Path) -> dict:
     tmp = tmp_path_factory.mktemp("run_clm")
-    plain = subprocess.run([sys.executable, str(SCRIPT), *run_clm_args(tiny_hub, tmp / "plain")], cwd=tmp,
-                           env=launch_env(tmp), capture_output=True, text=True, timeout=2 * TIMEOUT)
-    assert plain.returncode == 0, plain.stdout + plain.stderr
+    plain = start_python(str(SCRIPT), *run_clm_args(tiny_hub, tmp / "plain"), cwd=tmp)
     code, out, err = finish(cpctl(*CP2, str(SCRIPT), *run_clm_args(tiny_hub, tmp / "cp"), tmp_path=tmp,
                                   env=probed_env(tmp)))
     assert code == 0, out + err
+    plain()
     return {"plain": results(tmp / "plain"), "cp": results(tmp / "cp"), "probe": probed(tmp), "dirs": tmp}
 
 

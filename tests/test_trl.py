@@ -11,12 +11,10 @@ records what each rank's CP steps held, so the test knows CP really ran on half 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from launching import TIMEOUT, cpctl, finish, launch_env, probed, probed_env
+from launching import cpctl, finish, probed, probed_env, start_python
 from saved_models import largest_difference
 
 pytest.importorskip("trl")
@@ -51,12 +49,11 @@ def logged(output_dir: Path) -> list[dict]:
 
 def run_sft(tmp: Path, hub: Path, *extra: str) -> dict:
     """The sft script once in one process, once under cpctl at cp 2: both logs and the probe's records."""
-    plain = subprocess.run([sys.executable, "-m", "trl.scripts.sft", *sft_args(hub, tmp / "plain", *extra)], cwd=tmp,
-                           env=launch_env(tmp), capture_output=True, text=True, timeout=2 * TIMEOUT)
-    assert plain.returncode == 0, plain.stdout + plain.stderr
+    plain = start_python("-m", "trl.scripts.sft", *sft_args(hub, tmp / "plain", *extra), cwd=tmp)
     code, out, err = finish(cpctl(*CP2, "-m", "trl.scripts.sft", *sft_args(hub, tmp / "cp", *extra), tmp_path=tmp,
                                   env=probed_env(tmp)))
     assert code == 0, out + err
+    plain()
     return {"plain": logged(tmp / "plain"), "cp": logged(tmp / "cp"), "probe": probed(tmp), "err": err, "dirs": tmp}
 
 
