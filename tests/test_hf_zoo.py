@@ -4,7 +4,8 @@ One run per run (cp 2 with each CP strategy; cp 1: one process, attention still 
 engine), in the session's pool of processes of its size (tests/pool.py, with the profile `cpctl
 launch` would give), runs every architecture (six cases each: the README loop,
 `model(input_ids=ids, labels=ids).loss` as accelerate users call it, `rt.causal_lm_loss`, and
-the three on packed documents); each (run, architecture, case) is then its own test: two SGD
+the three on packed documents; the quick tier runs cp 2 with the worker's QUICK_CASES, half of
+them); each (run, architecture, case) is then its own test: two SGD
 steps' losses and the first step's full gradients within 1e-5 of a one-process run of plain
 transformers, or, for an entry of REFUSED, an error naming the expected substring.
 
@@ -36,7 +37,6 @@ pytest.importorskip("transformers")
 WORKER = REPO / "tests" / "workers" / "hf_zoo.py"
 # (cp size, strategy): cpctl.attention.Strategy's values, spelled out (no torch at collection)
 RUNS = {"cp2-allgather": (2, "allgather"), "cp2-alltoall": (2, "alltoall"), "cp1": (1, "allgather")}
-CASES = ("cp", "hf_loss", "chunked_loss", "packed", "packed_loss", "packed_chunked_loss")
 TOLERANCE = 1e-5  # fp32
 SEQ = 64  # the worker's sequence length
 LAUNCH_TIMEOUT = 900  # seconds for one launch over the whole zoo (about a minute when all goes well)
@@ -46,15 +46,18 @@ LAUNCH_TIMEOUT = 900  # seconds for one launch over the whole zoo (about a minut
 REFUSED: dict[str, str] = {}
 
 
-def _worker_archs() -> list[str]:
-    """The keys of the worker's ARCHS dict, read without importing it (no torch at collection)."""
+def _worker_constant(name: str) -> ast.expr:
+    """The value the worker assigns to `name`, read without importing it (no torch at collection)."""
     for node in ast.parse(WORKER.read_text()).body:
-        if isinstance(node, ast.AnnAssign) and getattr(node.target, "id", None) == "ARCHS":
-            return [key.value for key in node.value.keys]
-    raise AssertionError(f"no ARCHS dict in {WORKER}")
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) else []
+        if any(getattr(target, "id", None) == name for target in targets):
+            return node.value
+    raise AssertionError(f"no {name} in {WORKER}")
 
 
-ARCHS = _worker_archs()
+ARCHS = [key.value for key in _worker_constant("ARCHS").keys]
+CASES = ast.literal_eval(_worker_constant("CASES"))
+QUICK_CASES = ast.literal_eval(_worker_constant("QUICK_CASES"))
 _ERROR_LINE = re.compile(r"zoo-error rank(\d+) ([\w.-]+)/(\w+): (.*)")
 
 
@@ -119,9 +122,13 @@ def run_zoo(tmp_path: Path, run: str, *worker_args: str, archs: list[str] | None
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory: pytest.TempPathFactory, pools):
-    """One run per run, on first use, shared by that run's tests (a failure too)."""
-    return launch_once(tmp_path_factory, "zoo", lambda tmp, run: run_zoo(tmp, run, pools=pools))
+def zoo(tmp_path_factory: pytest.TempPathFactory, pools, request: pytest.FixtureRequest):
+    """One run per run, on first use, shared by that run's tests (a failure too); the quick tier's
+    runs the worker's QUICK_CASES."""
+    if request.config.getoption("--full"):
+        return launch_once(tmp_path_factory, "zoo", lambda tmp, run: run_zoo(tmp, run, pools=pools))
+    return launch_once(tmp_path_factory, "zoo",
+                       lambda tmp, run: run_zoo(tmp, run, "--quick", cases=QUICK_CASES, pools=pools))
 
 
 def check(record: dict, arch: str, case: str, *, cp: int) -> None:
@@ -138,7 +145,7 @@ def check(record: dict, arch: str, case: str, *, cp: int) -> None:
     assert record["grad_diff"] <= TOLERANCE, f"{arch}/{case}: gradients differ by {record['grad_diff']:.3g}: {record}"
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", tiered(CASES, quick=QUICK_CASES))
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("run", tiered(RUNS, quick={"cp2-allgather"}))
 def test_hf_architecture_trains_under_cp_as_in_one_process(zoo, run: str, arch: str, case: str) -> None:

@@ -1,8 +1,10 @@
 """Ulysses (sp) and 2D (sp x cp ring) attention against single-process SDPA on the full sequence.
 
 tests/workers/ulysses_cases.py runs every case with gloo on CPU in the session's pool of 4
-processes (tests/pool.py), once, for each (cp, sp) layout: sp 4; sp 2 x cp 2 with both ring strategies; sp 2 twice
-side by side. fp32 bar: 1e-5, as the CP engine's.
+processes (tests/pool.py), once, for each (cp, sp) layout: sp 4; sp 2 x cp 2 with both ring
+strategies; sp 2 twice side by side. The quick tier runs a quarter of the cases (every head
+layout, mask, dtype and strategy: `cases(quick=True)`), the full tier all. fp32 bar: 1e-5, as the
+CP engine's.
 """
 
 from __future__ import annotations
@@ -36,11 +38,18 @@ def case_id(cp: int, sp: int, case: dict) -> str:
 
 
 ALL = [(cp, sp, case) for cp, sp in LAYOUTS for case in cases(cp)]
+QUICK = [(cp, sp, case) for cp, sp in LAYOUTS for case in cases(cp, quick=True)]
 
 
-def run_worker(tmp: Path, pool: Pool) -> dict[str, dict]:
+def tiered_cases(selected: list[tuple]) -> list:
+    """`selected` as parameters: the quick tier's cases in both tiers, the others in the full one."""
+    quick = {case_id(*c) for c in QUICK}
+    return [pytest.param(*c, id=case_id(*c), marks=() if case_id(*c) in quick else pytest.mark.full) for c in selected]
+
+
+def run_worker(tmp: Path, pool: Pool, *, quick: bool) -> dict[str, dict]:
     out = tmp / "cases.jsonl"
-    pool.run(WORKER, str(out), cwd=tmp, timeout=TIMEOUT)
+    pool.run(WORKER, str(out), *(["--quick"] if quick else []), cwd=tmp, timeout=TIMEOUT)
     lines = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
     records = {}
     for record in lines:
@@ -51,19 +60,25 @@ def run_worker(tmp: Path, pool: Pool) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def records(tmp_path_factory: pytest.TempPathFactory, pools):
-    return run_worker(tmp_path_factory.mktemp("ulysses"), pools[4])
+def quick_tier(request: pytest.FixtureRequest) -> bool:
+    return not request.config.getoption("--full")
 
 
-def test_the_worker_ran_every_case(records) -> None:
-    assert records["__count__"] == len(ALL)
-    assert sorted(k for k in records if k != "__count__") == sorted(case_id(*c) for c in ALL)
-    for cp, sp, case in ALL:
+@pytest.fixture(scope="module")
+def records(tmp_path_factory: pytest.TempPathFactory, pools, quick_tier: bool):
+    return run_worker(tmp_path_factory.mktemp("ulysses"), pools[4], quick=quick_tier)
+
+
+def test_the_worker_ran_every_case(records, quick_tier: bool) -> None:
+    selected = QUICK if quick_tier else ALL
+    assert records["__count__"] == len(selected)
+    assert sorted(k for k in records if k != "__count__") == sorted(case_id(*c) for c in selected)
+    for cp, sp, case in selected:
         record = records[case_id(cp, sp, case)]
         assert (record["world"], record["seq"]) == (WORLD, 32 * cp * sp)
 
 
-@pytest.mark.parametrize(("cp", "sp", "case"), ALL, ids=[case_id(*c) for c in ALL])
+@pytest.mark.parametrize(("cp", "sp", "case"), tiered_cases(ALL))
 def test_matches_single_process_sdpa(records, cp: int, sp: int, case: dict) -> None:
     errors = records[case_id(cp, sp, case)]["errors"]
     assert sorted(errors) == ["dk", "dq", "dv", "out"]
@@ -76,7 +91,7 @@ PLAIN = [(cp, sp, case) for cp, sp, case in ALL
          if set(case) == {"strategy", "causal", "load_balance", "q_heads", "kv_heads", "batch"}]
 
 
-@pytest.mark.parametrize(("cp", "sp", "case"), PLAIN, ids=[case_id(*c) for c in PLAIN])
+@pytest.mark.parametrize(("cp", "sp", "case"), tiered_cases(PLAIN))
 def test_what_attention_keeps_for_backward_is_what_cpctl_plan_counts(records, cp: int, sp: int, case: dict) -> None:
     """The planner's per-token attention tensors (less the norm's) times this rank's tokens: the
     bytes autograd keeps in one Ulysses call, K/V repeated for fewer heads than sp included."""

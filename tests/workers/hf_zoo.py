@@ -74,7 +74,10 @@ MIXED = ["sliding_attention", "full_attention"]
 # Documents per row (each row adds up to SEQ): longer than the window and the attention chunk,
 # one-token documents, and boundaries that cut through the chunks cp 2 shards by.
 PACKED = [[5, 1, 30, 20, 8], [40, 1, 23]]
-PACKED_CASES = ("packed", "packed_loss", "packed_chunked_loss")
+CASES = ("cp", "hf_loss", "chunked_loss", "packed", "packed_loss", "packed_chunked_loss")
+PACKED_CASES = tuple(case for case in CASES if case.startswith("packed"))
+# --quick (the quick tier): half the cases, each loss path and packed documents still once
+QUICK_CASES = ("cp", "hf_loss", "packed_chunked_loss")
 
 
 def _llama() -> nn.Module:
@@ -320,8 +323,10 @@ def run_case(rt: cpctl.Runtime, name: str, base: nn.Module, case: str) -> dict:
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     flags = [a for a in sys.argv[1:] if a.startswith("--")]
+    quick = "--quick" in flags
+    flags = [f for f in flags if f != "--quick"]
     if set(flags) - set(MISTAKES):
-        raise SystemExit(f"unknown flag(s) {sorted(set(flags) - set(MISTAKES))}; known: {list(MISTAKES)}")
+        raise SystemExit(f"unknown flag(s) {sorted(set(flags) - set(MISTAKES))}; known: {[*MISTAKES, '--quick']}")
     out, names = args[0], args[1:] or list(ARCHS)
     unknown = [n for n in names if n not in ARCHS]
     if unknown:
@@ -336,7 +341,7 @@ def main() -> None:
                 json.dump(results, f, indent=1)
 
     save()
-    cases = tuple(MISTAKES[f] for f in flags) or ("cp", "hf_loss", "chunked_loss", *PACKED_CASES)
+    cases = tuple(MISTAKES[f] for f in flags) or (QUICK_CASES if quick else CASES)
     for name in names:
         start = time.perf_counter()
         # A rank that fails alone leaves the other inside a collective: gloo then aborts or waits for
