@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 from launching import (REPO, TIMEOUT, cpctl, finish, launch_env, launch_once, plain_losses, probed, probed_env,
-                       tiered)
+                       start_plain, tiered)
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -56,12 +56,14 @@ def plain_run(tmp: Path, *extra: str) -> list[float]:
 
 def launch_layout(tmp: Path, layout: str) -> dict:
     flags, script_args, *launched_only = LAYOUTS[layout]  # launched_only: not for the one-process reference
+    (tmp / "plain").mkdir()
+    reference = start_plain(SCRIPT, *ARGS, *script_args, tmp_path=tmp / "plain")
     out = tmp / "losses.json"
     code, stdout, stderr = finish(cpctl(*flags, str(SCRIPT), *ARGS, *script_args, *(launched_only or [()])[0],
                                         "--losses-out", str(out), tmp_path=tmp))
     if code != 0 or not out.exists():
         pytest.fail(f"cpctl launch {layout} exited {code}:\n{stdout}\n{stderr}")
-    return {"run": json.loads(out.read_text()), "reference": plain_run(tmp, *script_args), "stderr": stderr}
+    return {"run": json.loads(out.read_text()), "reference": reference()["losses"], "stderr": stderr}
 
 
 @pytest.fixture(scope="module")
@@ -69,8 +71,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory):
     return launch_once(tmp_path_factory, "accelerate", launch_layout)
 
 
-# the guide's loop in both tiers at sp2-cp2 (CP and Ulysses); its flags are read in test_accelerate_flags' dry runs
-@pytest.mark.parametrize("layout", tiered(LAYOUTS, quick={"sp2-cp2"}))
+# the guide's loop at cp 2 in both tiers (Ulysses under accelerate's prepare, on 4 processes, in the
+# full one); its flags are read in test_accelerate_flags' dry runs
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, quick={"cp2"}))
 def test_the_guide_loop_under_cp_gives_the_one_process_losses(launched, layout: str) -> None:
     result = launched(layout)
     run, reference = result["run"], result["reference"]
@@ -91,13 +94,14 @@ def test_the_reference_trains(launched, tmp_path: Path) -> None:
 def test_a_trainer_under_cp_gives_the_one_process_losses(tmp_path: Path) -> None:
     """The transformers Trainer shards through accelerator.maybe_context_parallel (cpctl's engine
     here) and normalizes the loss by its own global token count, which cpctl checks."""
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    reference = start_plain(TRAINER, tmp_path=plain)
     out = tmp_path / "cp.json"
     code, stdout, stderr = finish(cpctl(*CP2, str(TRAINER), "--losses-out", str(out), tmp_path=tmp_path))
     assert code == 0, stdout + stderr
     run = json.loads(out.read_text())
-    plain = tmp_path / "plain"
-    plain.mkdir()
-    one_process = plain_losses(TRAINER, tmp_path=plain)
+    one_process = reference()
     reference = one_process["losses"]
     assert abs(run["eval_loss"] - one_process["eval_loss"]) <= TOLERANCE
     assert run["world"] == 2 and len(run["losses"]) == len(reference) == 4
@@ -177,7 +181,12 @@ def test_what_the_script_and_the_launch_both_set_must_agree(tmp_path: Path, case
     assert code == 1, out + err
     assert message in err and "in one place" in err.split(message)[1]
     assert "Traceback" not in err
-    # accelerate's sp asked in the script only: said before accelerate builds a mesh of 4 on 2 processes
+
+
+@pytest.mark.full
+def test_sp_asked_in_the_script_only_is_said_before_accelerate_builds_its_mesh(tmp_path: Path) -> None:
+    """A mesh of 4 on 2 processes, which accelerate would fail to build in its own words."""
+    script = tmp_path / "own_sp.py"
     script.write_text("from accelerate import Accelerator\nfrom accelerate.utils import ParallelismConfig\n"
                       "Accelerator(parallelism_config=ParallelismConfig(sp_size=2))\n")
     code, out, err = finish(cpctl(*CP2, str(script), tmp_path=tmp_path))
@@ -316,15 +325,20 @@ with accelerator.maybe_context_parallel(
 """
 
 
-def test_the_guides_snippet_is_one_line_and_the_docs_loop_runs_as_printed(tmp_path: Path) -> None:
+@pytest.mark.full
+def test_the_guides_snippet_is_one_line(tmp_path: Path) -> None:
     """accelerate's guide names labels in no_restore_buffers without sharding them: one line naming
-    the fix. docs/accelerate.md's version of the loop runs as printed."""
+    the fix."""
     snippet = tmp_path / "guide_snippet.py"
     snippet.write_text(GUIDE_SNIPPET)
     code, out, err = finish(cpctl(*CP2, str(snippet), tmp_path=tmp_path))
     assert code == 1, out + err
     assert "no_restore_buffers must be a subset of buffers" in err and "add it to buffers" in err
     assert "Traceback" not in err
+
+
+def test_the_docs_loop_runs_as_printed(tmp_path: Path) -> None:
+    """docs/accelerate.md's version of the guide's loop, under cpctl launch with accelerate's API."""
     docs = (REPO / "docs" / "accelerate.md").read_text()
     block = docs.split("<!-- guide-loop -->\n```python\n")[1].split("```\n<!-- /guide-loop -->")[0]
     printed = tmp_path / "guide_loop.py"

@@ -1,10 +1,11 @@
 """Checkpoints (cpctl.Checkpointer on torch.distributed.checkpoint) in real processes.
 
 scripts/train_llama.py saves and resumes with --checkpoint-dir (in the session's pools of
-processes, tests/pool.py; the faults through real launches). A run stopped half-way at
-cp 2 x dp_shard 2 (4 processes) resumes at cp 4 and in one process, and the resumed
-steps' losses equal an uninterrupted run's; a checkpoint interrupted mid-write is never loaded;
-`export` gives a single file a plain model loads.
+processes, tests/pool.py; the faults through real launches). A run stopped half-way at cp 2
+resumes in one process (and, in the full tier, one stopped at cp 2 x dp_shard 2 on 4 processes
+resumes at cp 4 and in one process), and the resumed steps' losses equal an uninterrupted
+one-process run's; a checkpoint interrupted mid-write is never loaded; `export` gives a single
+file a plain model loads.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pool import Pools
 SCRIPT = REPO / "scripts" / "train_llama.py"
 STEPS, HALF = 6, 3
 TOLERANCE = 1e-4  # fp32, as the layout tests of the example
+CP2 = ["--nproc-per-node", "2", "--cp-size", "2"]
 
 
 def plain(tmp: Path, pools: Pools, *args: str) -> dict:
@@ -42,15 +44,31 @@ def trained(tmp: Path, pools: Pools, layout: list[str], *args: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def saved_at_cp2_dp2(tmp_path_factory: pytest.TempPathFactory, pools) -> tuple[Path, dict]:
-    """An uninterrupted one-process reference, and a checkpoint of step 3 made at cp 2 x dp_shard 2."""
+def reference(tmp_path_factory: pytest.TempPathFactory, pools) -> dict:
+    """The example's losses file, uninterrupted, in one process."""
+    return plain(tmp_path_factory.mktemp("reference"), pools)
+
+
+@pytest.fixture(scope="module")
+def saved_at_cp2_dp2(tmp_path_factory: pytest.TempPathFactory, pools, reference) -> tuple[Path, dict]:
+    """A checkpoint of step 3 made at cp 2 x dp_shard 2, and the one-process reference."""
     tmp = tmp_path_factory.mktemp("checkpoints")
-    reference = plain(tmp, pools)
     first = trained(tmp, pools, ["--nproc-per-node", "4", "--cp-size", "2"], "--checkpoint-dir", str(tmp / "ckpt"),
                     "--save-every", str(HALF), "--stop-after", str(HALF))
     assert (first["cp"], first["dp"], len(first["losses"])) == (2, 2, HALF)
     assert all(abs(a - b) <= TOLERANCE for a, b in zip(first["losses"], reference["losses"]))
     return tmp, reference
+
+
+@pytest.fixture(scope="module")
+def saved_every_step(tmp_path_factory: pytest.TempPathFactory, pools, reference) -> Path:
+    """Checkpoints of steps 1, 2 and 3, saved at cp 2 by a run with the reference's losses."""
+    tmp = tmp_path_factory.mktemp("every_step")
+    first = trained(tmp, pools, CP2, "--checkpoint-dir", str(tmp / "ckpt"), "--save-every", "1",
+                    "--stop-after", str(HALF))
+    assert [p.name for p in sorted((tmp / "ckpt").iterdir())] == [f"step-{n:09d}" for n in (1, 2, 3)]
+    assert all(abs(a - b) <= TOLERANCE for a, b in zip(first["losses"], reference["losses"]))
+    return tmp / "ckpt"
 
 
 def resumed_equals_reference(resumed: dict, reference: dict) -> None:
@@ -70,29 +88,33 @@ def test_a_checkpoint_saved_at_cp2_dp2_resumes_at_cp4(saved_at_cp2_dp2, pools, t
     resumed_equals_reference(resumed, reference)
 
 
+@pytest.mark.full
 def test_a_checkpoint_saved_at_cp2_dp2_resumes_in_one_process(saved_at_cp2_dp2, pools, tmp_path: Path) -> None:
     tmp, reference = saved_at_cp2_dp2
     shutil.copytree(tmp / "ckpt", tmp_path / "ckpt")
     resumed_equals_reference(plain(tmp_path, pools, "--checkpoint-dir", str(tmp_path / "ckpt")), reference)
 
 
-def test_a_checkpoint_interrupted_mid_write_is_never_loaded(saved_at_cp2_dp2, pools, tmp_path: Path) -> None:
-    tmp, reference = saved_at_cp2_dp2
-    shutil.copytree(tmp / "ckpt", tmp_path / "ckpt")
+def test_a_checkpoint_saved_at_cp2_resumes_in_one_process(saved_every_step, reference, pools, tmp_path: Path) -> None:
+    shutil.copytree(saved_every_step, tmp_path / "ckpt")
+    resumed_equals_reference(plain(tmp_path, pools, "--checkpoint-dir", str(tmp_path / "ckpt")), reference)
+
+
+def test_a_checkpoint_interrupted_mid_write_is_never_loaded(saved_every_step, reference, pools, tmp_path: Path) -> None:
+    shutil.copytree(saved_every_step, tmp_path / "ckpt")
     # a later step whose writing was cut short: its files are there, its rename never happened
     shutil.copytree(tmp_path / "ckpt" / f"step-{HALF:09d}", tmp_path / "ckpt" / f"step-{HALF + 2:09d}.partial")
     (tmp_path / "ckpt" / f"step-{HALF + 2:09d}.partial" / ".metadata").write_bytes(b"torn")
     resumed_equals_reference(plain(tmp_path, pools, "--checkpoint-dir", str(tmp_path / "ckpt")), reference)
 
 
-def test_export_gives_a_file_a_plain_model_loads(saved_at_cp2_dp2, tmp_path: Path) -> None:
-    tmp, _ = saved_at_cp2_dp2
+def test_export_gives_a_file_a_plain_model_loads(saved_every_step, tmp_path: Path) -> None:
     code = f"""
 import sys, torch
 sys.path.insert(0, {str(REPO / "scripts")!r})
 from cpctl.runtime.checkpoint import export
 from llama import PRESETS, Llama
-export({str(tmp / "ckpt" / f"step-{HALF:09d}")!r}, {str(tmp_path / "model.pt")!r})
+export({str(saved_every_step / f"step-{HALF:09d}")!r}, {str(tmp_path / "model.pt")!r})
 model = Llama(PRESETS["tiny"])
 missing, unexpected = model.load_state_dict(torch.load({str(tmp_path / "model.pt")!r}), strict=True)
 print("loaded", sum(p.numel() for p in model.parameters()))
@@ -115,7 +137,6 @@ def test_an_asynchronous_checkpoint_resumes_like_a_blocking_one(saved_at_cp2_dp2
 # ----------------------------------------------------------------------------- faults
 
 WORKER = REPO / "tests" / "workers" / "fault_worker.py"
-CP2 = ["--nproc-per-node", "2", "--cp-size", "2"]
 
 
 def plain_run(tmp: Path, *args: str) -> subprocess.CompletedProcess:
@@ -124,18 +145,8 @@ def plain_run(tmp: Path, *args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120, check=False)
 
 
-@pytest.fixture(scope="module")
-def saved_every_step(tmp_path_factory: pytest.TempPathFactory, pools) -> Path:
-    """Checkpoints of steps 1, 2 and 3, saved at cp 2."""
-    tmp = tmp_path_factory.mktemp("every_step")
-    trained(tmp, pools, CP2, "--checkpoint-dir", str(tmp / "ckpt"), "--save-every", "1", "--stop-after", str(HALF))
-    assert [p.name for p in sorted((tmp / "ckpt").iterdir())] == [f"step-{n:09d}" for n in (1, 2, 3)]
-    return tmp / "ckpt"
-
-
-def test_a_truncated_shard_in_the_latest_checkpoint_resumes_from_the_one_before(saved_every_step, saved_at_cp2_dp2,
+def test_a_truncated_shard_in_the_latest_checkpoint_resumes_from_the_one_before(saved_every_step, reference,
                                                                                  tmp_path: Path) -> None:
-    _, reference = saved_at_cp2_dp2
     ckpt = tmp_path / "ckpt"
     shutil.copytree(saved_every_step, ckpt)
     shard = ckpt / f"step-{HALF:09d}" / "__1_0.distcp"

@@ -1,7 +1,7 @@
 """Faults through real launches (CPU, gloo): a killed worker is restarted and the run resumes
-with an uninterrupted run's losses; a hung rank ends the job within the comm timeout, named;
-workers die with a SIGKILLed launcher. And the failure report a worker writes, as the launcher
-reads it."""
+with the losses of an uninterrupted run in one process; a hung rank ends the job within the comm
+timeout, named; workers die with a SIGKILLed launcher. And the failure report a worker writes, as
+the launcher reads it."""
 
 from __future__ import annotations
 
@@ -30,12 +30,11 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, pools) -> list[float]:
+    """The example's losses in one process, uninterrupted (the session's pool of one, tests/pool.py)."""
     tmp = tmp_path_factory.mktemp("uninterrupted")
     out = tmp / "losses.json"
-    code, stdout, stderr = finish(cpctl("--profile", "cpu-try", str(SCRIPT), "--steps", str(STEPS), *SLOW,
-                                        "--losses-out", str(out), tmp_path=tmp))
-    assert code == 0, stdout + stderr
+    pools[1].run(SCRIPT, "--steps", str(STEPS), *SLOW, "--losses-out", str(out), cwd=tmp)
     return json.loads(out.read_text())["losses"]
 
 
