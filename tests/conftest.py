@@ -21,13 +21,20 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import AMBIENT_PREFIXES
+from launching import AMBIENT_PREFIXES, stop_started
 
 # The session and every process it starts cache compiled bytecode (__pycache__, git-ignored) even
 # where the shell asks Python not to: without it each launch's processes compile cpctl again
 # (~0.8 s of CPU each) and pytest rewrites every test module again (~4 s) on each run.
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
 sys.dont_write_bytecode = False
+
+
+@pytest.fixture(autouse=True)
+def no_reference_outlives_its_test():
+    """A one-process reference (launching.start_python) whose test failed before waiting for it."""
+    yield
+    stop_started()
 
 
 @pytest.fixture
@@ -75,7 +82,7 @@ def pools(tmp_path_factory: pytest.TempPathFactory):
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true",
-                     help="the full tier (what CI runs): every multi-process launch of the matrices, not one per capability")
+                     help="the full tier: every multi-process launch of the matrices, not one per capability")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -74,17 +74,36 @@ def probed(tmp_path: Path, world: int = 2) -> list[dict]:
     return [json.loads((tmp_path / "probe" / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
+_STARTED: list[subprocess.Popen] = []  # start_python's processes, until their test ends
+
+
+def stop_started() -> None:
+    """Kills what start_python started and nobody waited for (its test failed first): a reference
+    left running would take a core from the tests after it."""
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def start_python(*argv: str, cwd: Path) -> Callable[[], str]:
     """Starts `python ARGV` in launch_env and returns what waits for it to exit 0 and gives its
     output: a one-process reference that runs while the launch it is compared with starts (both
     spend seconds importing; the 2 cores of a small machine would otherwise take turns idling)."""
-    proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, env=launch_env(cwd), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    # its output to a file, not a pipe: nobody reads it until the launch is over, and a full pipe
+    # would stop the process half-way
+    log = cwd / f"python-{len(list(cwd.glob('python-*.log')))}.log"
+    with log.open("w") as output:
+        proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, env=launch_env(cwd), stdout=output,
+                                stderr=subprocess.STDOUT, text=True)
+    _STARTED.append(proc)
 
     def wait() -> str:
-        code, stdout, stderr = finish(proc, what=f"python {' '.join(argv[:2])}")
-        assert code == 0, stdout + stderr
-        return stdout + stderr
+        finish(proc, what=f"python {' '.join(argv[:2])}")
+        printed = log.read_text(errors="replace")
+        assert proc.returncode == 0, printed
+        return printed
 
     return wait
 

@@ -71,9 +71,9 @@ def launched(tmp_path_factory: pytest.TempPathFactory):
     return launch_once(tmp_path_factory, "accelerate", launch_layout)
 
 
-# the guide's loop at cp 2 in both tiers (Ulysses under accelerate's prepare, on 4 processes, in the
-# full one); its flags are read in test_accelerate_flags' dry runs
-@pytest.mark.parametrize("layout", tiered(LAYOUTS, quick={"cp2"}))
+# the guide's loop in both tiers at sp2-cp2 (CP and Ulysses under accelerate's prepare; the docs loop
+# runs accelerate at cp 2); its flags are read in test_accelerate_flags' dry runs
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, quick={"sp2-cp2"}))
 def test_the_guide_loop_under_cp_gives_the_one_process_losses(launched, layout: str) -> None:
     result = launched(layout)
     run, reference = result["run"], result["reference"]

@@ -23,8 +23,6 @@ CP2 = ("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2")
 TOLERANCE = 1e-5
 
 
-
-
 def run_alone(pools: Pools, tmp_path: Path, out: Path, *extra: str) -> dict:
     """The worker in one process: the session's pool of one (tests/pool.py)."""
     pools[1].run(WORKER, str(out), *extra, cwd=tmp_path)

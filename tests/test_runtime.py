@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from launching import REPO
+from launching import REPO, cpctl, finish
 
 WORKER = REPO / "tests" / "workers" / "runtime_cases.py"
 TOLERANCE = 1e-5  # the engine's fp32 bar: CP equals single-process SDPA within 1e-5
@@ -300,10 +300,14 @@ def test_on_one_process_the_context_shards_nothing_and_attention_goes_through_th
     assert token_mean["weight_grad"] == pytest.approx(token_mean["expected"], abs=1e-6)
 
 
-def test_init_overrides_resolve_auto_on_top_of_the_launched_profile(pools, tmp_path: Path) -> None:
+def test_init_overrides_resolve_auto_on_top_of_the_launched_profile(tmp_path: Path) -> None:
+    """Through `cpctl launch` itself: workers get the profile resolved (CPCTL_RESOLVED_PROFILE), and
+    `auto` must resolve again under the overrides; the pools hand over CPCTL_* keys only."""
     out = tmp_path / "init.json"
-    pools.run(REPO / "tests" / "workers" / "init_overrides.py", str(out),
-              flags=["--nproc-per-node", "2", "--cp-size", "1"], cwd=tmp_path)
+    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "1",
+                                        str(REPO / "tests" / "workers" / "init_overrides.py"), str(out),
+                                        tmp_path=tmp_path))
+    assert code == 0, stdout + stderr
     result = json.loads(out.read_text())
     assert (result["cp"], result["dp_shard"], result["mixed_precision"]) == (2, 1, "no")
     assert result["same"] is True

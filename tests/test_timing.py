@@ -253,9 +253,9 @@ def test_a_tiled_mlp_recomputes_every_mlp_a_token_runs_through_dense_and_expert(
     of experts as well as each token's top-k experts (they were counted as experts in every layer)."""
     moe = planner.ModelShape(name="moe", vocab_size=64, dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=96, head_dim=8,
                              experts=8, experts_per_token=2, expert_ffn_dim=16, dense_layers=1)
-    assert moe.active_expert_params == 2 * 2 * 3 * 32 * 16
-    assert moe.active_mlp_params == moe.dense_mlp_params + moe.active_expert_params
+    dense_mlp, top_2_experts = 3 * 32 * 96, 2 * 3 * 32 * 16  # one dense layer; two MoE layers, 2 experts each
+    assert moe.active_mlp_params == dense_mlp + 2 * top_2_experts
     plain, tiled = Setup(precision="no"), Setup(precision="no", tiled_mlp_tokens=16)
     sizes = {setup: planner.Sizes(moe, setup, 1024) for setup in (plain, tiled)}
     extra = timing._matmul_flops(sizes[tiled]) - timing._matmul_flops(sizes[plain])
-    assert extra == 2 * moe.active_mlp_params * sizes[plain].local_tokens
+    assert extra == 2 * (dense_mlp + 2 * top_2_experts) * 1024

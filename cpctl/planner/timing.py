@@ -38,6 +38,7 @@ from cpctl.planner.hardware import Throughputs
 from cpctl.planner.setup import Setup
 from cpctl.planner.shapes import ModelShape
 from cpctl.planner.terms import FP32, Sizes, offloaded_per_token, selective_layers
+from cpctl.topology import sequence_chunks
 
 BACKWARD_FLOPS = 2.5  # attention's backward over its forward (5 matmuls of the pairs against 2)
 # Bytes an eager fp32 RMSNorm moves per element of model width in its forward (upcast, square,
@@ -172,7 +173,7 @@ def _attention_pairs_per_rank(z: Sizes, document_tokens: int | None, *, windowed
 
 def _call_queries(z: Sizes, document_tokens: int | None) -> int:
     """Queries per attention kernel call: a ring chunk (Ulysses attends the cp rank's whole share), or a document."""
-    queries = z.padded_seq_len // (2 * z.setup.cp if z.setup.load_balance and z.setup.cp > 1 else z.setup.cp)
+    queries = z.padded_seq_len // sequence_chunks(cp=z.setup.cp, load_balance=z.setup.load_balance)
     return max(1, min(queries, document_tokens or queries))
 
 

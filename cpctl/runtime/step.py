@@ -77,7 +77,7 @@ class Step:
                 documents = padding.pad(documents, seq_dim=-1, padding=self.padding, value=padding.POSITIONS)
         self.ring_layout, self.placement = plain, None
         self.documents = None if documents is None else packing.documents_or_none(packing.starts_per_row(documents))
-        if self.documents is not None and split.load_balance and split.cp_size > 1:
+        if self.documents is not None and topology.head_tail(cp=split.cp_size, load_balance=split.load_balance):
             padded = self.padding.padded if self.padding is not None else seq_len
             split.tokens_of(plain).check_length(padded)
             self.placement = packing.place(self.documents, seq_len=padded, cp_size=split.cp_size,

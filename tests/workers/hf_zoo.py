@@ -1,9 +1,9 @@
 """Worker: a zoo of tiny Hugging Face causal LMs (attn_implementation="sdpa"), trained under cpctl's CP.
 
     cpctl launch --device cpu --nproc-per-node 2 --cp-size 2 tests/workers/hf_zoo.py OUT.json [ARCH ...]
-        [--wrong-positions] [--wrong-labels]
+        [--wrong-positions] [--wrong-labels] [--quick]
 
-Per architecture, six cases, each two SGD steps on new data, compared with the same model
+Per architecture, six cases (with --quick, the quick tier's QUICK_CASES), each two SGD steps on new data, compared with the same model
 trained as one process on the full sequence:
 
 * "cp": the README loop (`shift_labels`, `position_ids_like`, `maybe_context_parallel`,

@@ -1,11 +1,12 @@
 """Worker: Ulysses and 2D (Ulysses x ring) attention against single-process SDPA on the full sequence.
 
-    torchrun --nproc-per-node 4 tests/workers/ulysses_cases.py OUT.jsonl
+    torchrun --nproc-per-node 4 tests/workers/ulysses_cases.py OUT.jsonl [--quick]
 
 On CUDA (NCCL) the same cases run in bf16 against the fp32 reference, with the layouts the
 world allows; the CPU test suite runs it with gloo in fp32.
 
-Every (cp, sp) layout of the world in LAYOUTS runs every case; with fewer sp x cp ranks than
+Every (cp, sp) layout of the world in LAYOUTS runs every case (with --quick, the quick tier's
+share: `cases(quick=True)`); with fewer sp x cp ranks than
 the world, the other ranks form more groups that compute the same case side by side (the dp
 axis). Rank 0 writes one JSON object per (layout, case): the max abs error of the output and
 of dq/dk/dv against the reference, on the whole sequence.
