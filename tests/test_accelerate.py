@@ -39,6 +39,8 @@ LAYOUTS = {
     # (the source builds an Accelerator), accelerate's flags with their meaning
     "accelerate-flags": (("--cpu", "--num_processes", "2", "--parallelism_config_cp_size", "2", "--use_fsdp",
                           "--fsdp_version", "2", "--mixed_precision", "no"), ()),
+    # Ulysses on 2 processes: each holds half the heads of the whole sequence in attention
+    "sp2": (("--device", "cpu", "--nproc-per-node", "2", "--sp-size", "2", "--script-api", "accelerate"), ()),
     # Ulysses x ring on 4 processes: the profile's sizes reach an unmodified ParallelismConfig() ...
     "sp2-cp2": (("--device", "cpu", "--nproc-per-node", "4", "--cp-size", "2", "--sp-size", "2",
                  "--script-api", "accelerate"), ()),
@@ -47,7 +49,7 @@ LAYOUTS = {
                        (), ("--sp-size", "2")),
 }
 # processes, and tokens per process of the 64-token rows: each sequence split over cp x sp ranks
-SPLIT = {"sp2-cp2": (4, 16), "sp2-dp2-script": (4, 32)}
+SPLIT = {"sp2": (2, 32), "sp2-cp2": (4, 16), "sp2-dp2-script": (4, 32)}
 
 
 def plain_run(tmp: Path, *extra: str) -> list[float]:
@@ -71,9 +73,10 @@ def launched(tmp_path_factory: pytest.TempPathFactory):
     return launch_once(tmp_path_factory, "accelerate", launch_layout)
 
 
-# the guide's loop in both tiers at sp2-cp2 (CP and Ulysses under accelerate's prepare; the docs loop
-# runs accelerate at cp 2); its flags are read in test_accelerate_flags' dry runs
-@pytest.mark.parametrize("layout", tiered(LAYOUTS, quick={"sp2-cp2"}))
+# the guide's loop in both tiers with Ulysses under accelerate's prepare on 2 processes (the docs
+# loop runs accelerate at cp 2; 2D on 4 processes in the full tier); its flags are read in
+# test_accelerate_flags' dry runs
+@pytest.mark.parametrize("layout", tiered(LAYOUTS, quick={"sp2"}))
 def test_the_guide_loop_under_cp_gives_the_one_process_losses(launched, layout: str) -> None:
     result = launched(layout)
     run, reference = result["run"], result["reference"]
