@@ -116,6 +116,15 @@ def _attribute_reads(code: types.CodeType) -> dict[str, int]:
     return counts
 
 
+def uncompiled(model: Any) -> Any:
+    """The module torch.compile wrapped when `model` is its wrapper (an OptimizedModule), else
+    `model` itself. Known by the wrapper's type name and `_orig_mod`, so asking imports no
+    torch._dynamo (seconds in every process that never compiles)."""
+    if type(model).__name__ == "OptimizedModule":
+        return getattr(model, "_orig_mod", model)
+    return model
+
+
 def qualified_name(owner: Any) -> str:
     """A class by its qualified name, a module by its name."""
     return str(getattr(owner, "__qualname__", None) or getattr(owner, "__name__", None) or owner)

@@ -291,3 +291,14 @@ def test_whether_a_models_module_calls_sdpa_is_read_from_its_code_not_its_text()
          "def attend(q):\n    return q  # not scaled_dot_product_attention(q, q, q)\n", vars(mentions))
     assert module_uses(calls, "scaled_dot_product_attention")  # in a lambda in a property of a class
     assert not module_uses(mentions, "scaled_dot_product_attention") and not module_uses(None, "x")
+
+
+def test_torch_compiles_wrapper_is_known_without_importing_dynamo_and_gives_the_model_inside() -> None:
+    """By type name and `_orig_mod`: were torch to rename its wrapper, a model compiled before
+    prepare_model would no longer be refused (its graph keeps the attention it was traced with)."""
+    import torch
+
+    from cpctl.upstream import uncompiled
+
+    model = torch.nn.Linear(2, 2)
+    assert uncompiled(torch.compile(model)) is model and uncompiled(model) is model

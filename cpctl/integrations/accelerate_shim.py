@@ -34,7 +34,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cpctl import config
+from cpctl import config, upstream
 from cpctl.errors import CpctlError
 from cpctl.integrations import accelerate_sp, fsdp_saving, hf_loading, trainer
 from cpctl.integrations.patches import PATCHES
@@ -162,9 +162,9 @@ def _adopted(model: Any) -> bool:
         if PATCHES.noted(model, ADOPTED, False):
             return True
         seen.add(id(model))
-        inner = getattr(model, "_orig_mod", None)
-        if inner is None and callable(getattr(type(model), "get_base_model", None)):
-            inner = model.get_base_model()
+        inner = upstream.uncompiled(model)
+        if inner is model:
+            inner = model.get_base_model() if callable(getattr(type(model), "get_base_model", None)) else None
         model = inner
     return False
 

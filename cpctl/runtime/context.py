@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cpctl import config
+from cpctl.config import Profile
 from cpctl.attention import context_parallel_attention
 from cpctl.attention.dispatch import RouteSDPA
 from cpctl.attention.ulysses import ulysses_attention
@@ -38,14 +38,14 @@ _log = logging.getLogger("cpctl")
 class StepContext:
     """The step whose body runs on this rank (none outside), and the latest one entered."""
 
-    config: config.Profile
+    config: Profile
     mesh: ParallelMesh
     device: torch.device
     last_step: Step | None
     caller_counts_tokens: bool
     attention_calls: int
 
-    def __init__(self, config: config.Profile, mesh: ParallelMesh, device: torch.device) -> None:
+    def __init__(self, config: Profile, mesh: ParallelMesh, device: torch.device) -> None:
         self.config, self.mesh, self.device = config, mesh, device
         self.last_step: Step | None = None  # after its context, its results are gathered with it
         self.caller_counts_tokens = False  # inside caller_counts_loss_tokens(): a model may take num_items_in_batch

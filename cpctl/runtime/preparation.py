@@ -22,7 +22,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from cpctl import config
+from cpctl import upstream
+from cpctl.config import Profile
 from cpctl.errors import CpctlError
 from cpctl.runtime import adapters, guards, loading
 from cpctl.runtime.checkpoint_levels import BlockLevels
@@ -43,7 +44,7 @@ class ModelPreparation:
         self._host_arena: HostArena | None = None
 
     @property
-    def config(self) -> config.Profile:
+    def config(self) -> Profile:
         return self.context.config
 
     def prepare(self, model: nn.Module, *, tp_plan: dict | None = None,
@@ -92,7 +93,7 @@ class ModelPreparation:
 
     def _adopt(self, model: nn.Module) -> bool:
         """Steps 1-2: the refusals, then the model's adapter; whether the model is to be checkpointed."""
-        if type(model).__name__ == "OptimizedModule" and hasattr(model, "_orig_mod"):
+        if upstream.uncompiled(model) is not model:
             # its compiled graph would keep the attention it was traced with, and FSDP2 would wrap the wrapper
             raise CpctlError("the model was compiled (torch.compile) before rt.prepare_model: prepare the model "
                              "itself, then compile what prepare_model returns (model = torch.compile(rt.prepare_model(model)))")

@@ -27,7 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from cpctl import config
 from cpctl.attention import ChunkLayout
 from cpctl.errors import CpctlError
-from cpctl.runtime import loading, padding, process, step_losses
+from cpctl.runtime import loading, process, step_losses
+from cpctl.runtime.padding import EndPadding, PadValue
 from cpctl.runtime.context import StepContext
 from cpctl.runtime.loader import EpochDataLoader, ResumableSampler
 from cpctl.runtime.mesh import Axes, ParallelMesh
@@ -165,7 +166,7 @@ class Runtime:
     def maybe_context_parallel(self, *, buffers: Sequence[torch.Tensor], buffer_seq_dims: Sequence[int],
                                no_restore_buffers: Iterable[torch.Tensor] = (),
                                documents: torch.Tensor | None = None,
-                               pad_values: Sequence[padding.PadValue] | None = None
+                               pad_values: Sequence[PadValue] | None = None
                                ) -> contextlib.AbstractContextManager[Step]:
         """Shard `buffers` in place along their sequence dims and compute every SDPA call
         across the CP group; on exit restore the buffers not in `no_restore_buffers`.
@@ -205,7 +206,7 @@ class Runtime:
         return self._context.current_step().layout
 
     @property
-    def padding(self) -> padding.EndPadding | None:
+    def padding(self) -> EndPadding | None:
         """The tokens this step appended so that the layout divides its length (None: none, or outside a step)."""
         return self._context.padding
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cpctl import upstream
 from cpctl.errors import CpctlError
 from cpctl.runtime import adapters, losses
 from cpctl.runtime import documents as packing
@@ -49,7 +50,7 @@ def causal_lm_loss(context: StepContext, model: nn.Module, *, input_ids: torch.T
     that never holds the full logits, computed by the adapter that knows the model."""
     for name, tensor in (("input_ids", input_ids), ("labels", labels)):
         context.require_sharded(tensor, name=f"causal_lm_loss's {name}", seq_dim=1)
-    found = adapters.adapter_for(getattr(model, "_orig_mod", model))  # torch.compile's wrapper: its model's
+    found = adapters.adapter_for(upstream.uncompiled(model))
     if found is None:
         raise CpctlError(f"rt.causal_lm_loss takes a Hugging Face causal LM, not a {type(model).__name__}; "
                          "compute the loss from its logits with rt.token_mean")

@@ -21,7 +21,6 @@ import sys
 import traceback
 
 import torch
-from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import cpctl
