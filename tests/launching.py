@@ -16,6 +16,7 @@ from typing import TypeVar
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+STARTUP = REPO / "tests" / "startup"  # the sitecustomize of every process a test starts
 TIMEOUT = 120
 # Variables that would change what a profile resolves to, or how torchrun behaves.
 AMBIENT_PREFIXES = ("CPCTL_", "SLURM_", "PET_", "TORCHELASTIC_", "ACCELERATE_", "PARALLELISM_CONFIG_", "FSDP_")
@@ -32,12 +33,13 @@ def tiered(values: Iterable[T], quick: Collection[T]) -> list:
 
 
 def launch_env(tmp_path: Path) -> dict[str, str]:
-    """The test's environment minus anything that would change the profile or torchrun."""
+    """The test's environment minus anything that would change the profile or torchrun, plus the
+    tests' start-up (tests/startup/sitecustomize.py: no garbage collections at exit)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(AMBIENT_PREFIXES)}
     # nothing reaches the network: Hugging Face libraries read local files only, and send no telemetry
     env |= {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
     env |= {"XDG_CONFIG_HOME": str(tmp_path / "xdg"), "CUDA_VISIBLE_DEVICES": "",
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))}
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(STARTUP), str(REPO), env.get("PYTHONPATH")]))}
     return env
 
 
@@ -59,14 +61,11 @@ def _sigint_as_from_a_terminal() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-PROBE = REPO / "tests" / "probe"  # a sitecustomize that records each worker's CP steps
-
-
 def probed_env(tmp_path: Path) -> dict[str, str]:
-    """launch_env with the CP probe on: each worker writes tmp_path/probe/rank{R}.json at exit."""
+    """launch_env with the CP probe on (tests/startup/cp_probe.py): each worker writes
+    tmp_path/probe/rank{R}.json at exit."""
     (tmp_path / "probe").mkdir(exist_ok=True)
-    env = launch_env(tmp_path)
-    return env | {"CP_PROBE_DIR": str(tmp_path / "probe"), "PYTHONPATH": f"{PROBE}{os.pathsep}{env['PYTHONPATH']}"}
+    return launch_env(tmp_path) | {"CP_PROBE_DIR": str(tmp_path / "probe")}
 
 
 def probed(tmp_path: Path, world: int = 2) -> list[dict]:

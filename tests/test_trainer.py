@@ -4,7 +4,7 @@ under `cpctl launch --script-api accelerate` at cp 2 on CPU, against the same sc
 Blocks of 63 tokens (2 x cp = 4 does not divide them: every CP step pads at the end), training,
 `--do_eval` with run_clm's accuracy (argmax predictions against the shifted labels) and
 perplexity, and `trainer.predict`: the training losses, the evaluation's numbers and every
-predicted token must be one process's. A probe (tests/probe) records that CP really ran.
+predicted token must be one process's. A probe (tests/startup/cp_probe.py) records that CP really ran.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 a word-level tokenizer, jsonl texts of 20-60 words): once in one plain process, the reference,
 and once under `cpctl launch --script-api accelerate` at cp 2 on CPU (gloo). The trainer's own
 log (trainer_state.json) must agree: training losses, gradient norms, token accuracies and
-entropies, and the evaluation's loss and metrics, run under CP too. A probe (tests/probe)
+entropies, and the evaluation's loss and metrics, run under CP too. A probe (tests/startup/cp_probe.py)
 records what each rank's CP steps held, so the test knows CP really ran on half of each row.
 """
 

@@ -1,7 +1,7 @@
 """A probe for tests that launch unmodified scripts: did CP really run, and on how many tokens?
 
-Put this folder first on PYTHONPATH and set CP_PROBE_DIR: every worker (Python imports
-`sitecustomize` at start-up) then records, once `cpctl.runtime.runtime` is imported, each
+Imported at start-up by tests/startup/sitecustomize.py when CP_PROBE_DIR is set
+(launching.probed_env): every worker then records, once `cpctl.runtime.runtime` is imported, each
 `maybe_context_parallel` step (the full length, the padded length, the tokens per rank) and the
 query length of every attention call the CP engine computes; at exit it writes
 CP_PROBE_DIR/rank{RANK}.json. It only observes: the calls go through unchanged.
