@@ -157,6 +157,14 @@ class Outcome:
         return "\n".join(f"rank {rank}: {failure}\n{output[-4000:]}"
                          for rank, (failure, output) in enumerate(zip(self.failures, self.outputs)) if failure)
 
+    def refusals(self) -> list[str]:
+        """Each rank's CpctlError, from a job that must fail on every rank alike (a rank left
+        waiting would hang a real job): the launcher prints such an error as one line (test_launch.py)."""
+        assert all(self.failures), self.report() or "the job did not fail"
+        last_lines = [failure.strip().splitlines()[-1] for failure in self.failures]
+        assert all(line.startswith("cpctl.errors.CpctlError: ") for line in last_lines), last_lines
+        return [line.removeprefix("cpctl.errors.CpctlError: ") for line in last_lines]
+
 
 class Pools:
     """The session's pools, one per process count, each made on first use."""

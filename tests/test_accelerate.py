@@ -9,9 +9,11 @@ shows those losses move far more than the tolerance, so a wrong gradient could n
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -56,10 +58,9 @@ def plain_run(tmp: Path, *extra: str) -> list[float]:
     return plain_losses(SCRIPT, *ARGS, *extra, tmp_path=tmp)["losses"]
 
 
-def launch_layout(tmp: Path, layout: str) -> dict:
+def launch_layout(tmp: Path, layout: str, *, references: Callable[..., Callable[[], dict]]) -> dict:
     flags, script_args, *launched_only = LAYOUTS[layout]  # launched_only: not for the one-process reference
-    (tmp / "plain").mkdir()
-    reference = start_plain(SCRIPT, *ARGS, *script_args, tmp_path=tmp / "plain")
+    reference = references(*script_args)  # started beside the first layout that needs it
     out = tmp / "losses.json"
     code, stdout, stderr = finish(cpctl(*flags, str(SCRIPT), *ARGS, *script_args, *(launched_only or [()])[0],
                                         "--losses-out", str(out), tmp_path=tmp))
@@ -70,7 +71,10 @@ def launch_layout(tmp: Path, layout: str) -> dict:
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory: pytest.TempPathFactory):
-    return launch_once(tmp_path_factory, "accelerate", launch_layout)
+    # one one-process reference per script arguments: most layouts are compared with the same run
+    references = launch_once(tmp_path_factory, "reference",
+                             lambda tmp, *args: functools.cache(start_plain(SCRIPT, *ARGS, *args, tmp_path=tmp)))
+    return launch_once(tmp_path_factory, "accelerate", functools.partial(launch_layout, references=references))
 
 
 # the guide's loop in both tiers with Ulysses under accelerate's prepare on 2 processes (the docs
@@ -239,14 +243,15 @@ def test_nd_parallel_with_its_cp_config_gives_the_one_process_losses(tmp_path: P
     and `model.save_pretrained` work; 63-token rows padded to 64; the one-process losses."""
     script_args = ("--model-name", str(tiny_hub / "model"), "--sequence-length", "63", "--num-steps", "3",
                    "--precision", "fp32")
-    # the script all-reduces its loss, so its one-process run needs a process group: a launch of one
-    code, out, err = finish(cpctl("--device", "cpu", "--nproc-per-node", "1", "--script-api", "accelerate",
-                                  str(ND / "nd_parallel.py"), *script_args, "--save-dir", str(tmp_path / "one"),
-                                  tmp_path=tmp_path))
-    assert code == 0, out + err
+    # the script all-reduces its loss, so its one-process run needs a process group: a launch of one,
+    # started beside the launch at cp 2 (both spend seconds importing)
+    one_process = cpctl("--device", "cpu", "--nproc-per-node", "1", "--script-api", "accelerate",
+                        str(ND / "nd_parallel.py"), *script_args, "--save-dir", str(tmp_path / "one"), tmp_path=tmp_path)
     code, out, err = finish(cpctl("--config", str(ND / "cp.yaml"), *ON_THIS_CPU, "--mixed-precision", "no",
                                   str(ND / "nd_parallel.py"), "--cp-size", "2", *script_args,
                                   "--save-dir", str(tmp_path / "cp"), tmp_path=tmp_path, env=probed_env(tmp_path)))
+    assert code == 0, out + err
+    code, out, err = finish(one_process)
     assert code == 0, out + err
     one, cp = (json.loads((tmp_path / run / "losses.json").read_text()) for run in ("one", "cp"))
     assert cp["world"] == 2 and len(cp["losses"]) == len(one["losses"]) == 3 and len(set(one["losses"])) == 3

@@ -167,15 +167,6 @@ def test_a_truncated_shard_in_the_latest_checkpoint_resumes_from_the_one_before(
     assert (ckpt / f"step-{HALF:09d}.damaged" / "__1_0.distcp").stat().st_size == 1000
 
 
-def refusals(outcome) -> list[str]:
-    """Each rank's CpctlError, from a pool job that must fail on every rank alike (a rank left
-    waiting would hang a real job): the launcher prints such an error as one line (test_launch.py)."""
-    assert all(outcome.failures), outcome.report() or "the job did not fail"
-    last_lines = [failure.strip().splitlines()[-1] for failure in outcome.failures]
-    assert all(line.startswith("cpctl.errors.CpctlError: ") for line in last_lines), last_lines
-    return [line.removeprefix("cpctl.errors.CpctlError: ") for line in last_lines]
-
-
 def test_a_changed_byte_with_no_earlier_checkpoint_is_refused_on_every_rank_naming_the_file(
         saved_every_step, pools, tmp_path: Path) -> None:
     ckpt = tmp_path / "ckpt"
@@ -186,7 +177,7 @@ def test_a_changed_byte_with_no_earlier_checkpoint_is_refused_on_every_rank_nami
     data[len(data) // 2] ^= 0xFF  # inside a tensor's bytes: it would unpickle fine, and load a different model
     shard.write_bytes(bytes(data))
     outcome = pools[2].attempt(SCRIPT, "--steps", str(STEPS), "--checkpoint-dir", str(ckpt), flags=CP2, cwd=tmp_path)
-    for line in refusals(outcome):
+    for line in outcome.refusals():
         assert f"checkpoint {ckpt / f'step-{HALF:09d}'}: __0_0.distcp is damaged" in line and "checksum" in line, line
         assert "no earlier complete checkpoint" in line and f"move step-{HALF:09d} away" in line, line
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO, cpctl, error_lines, finish, start_python, tiered
+from launching import REPO, cpctl, finish, start_python, tiered
 from pool import Pools
 
 pytest.importorskip("peft")
@@ -134,14 +134,13 @@ def assert_adapters_reload_close(out: Path) -> None:
 
 
 @pytest.mark.full
-def test_get_peft_model_after_prepare_model_is_one_line_before_any_step(tmp_path: Path) -> None:
+def test_get_peft_model_after_prepare_model_is_refused_on_every_rank_before_any_step(tmp_path: Path, pools) -> None:
     """Its adapters would be neither sharded nor reduced: each rank would train its own copy."""
-    code, stdout, stderr = finish(cpctl(*CP2, "--script-api", "cpctl", str(WORKER),
-                                        str(tmp_path / "out"), "--peft-after-prepare", tmp_path=tmp_path))
-    assert code == 1, stdout + stderr
-    (line,) = error_lines(stderr)
-    assert "28 parameters were added to the model after rt.prepare_model" in line and "lora_A" in line, line
-    assert "get_peft_model(model, config), then rt.prepare_model" in line, line
+    outcome = pools[2].attempt(WORKER, str(tmp_path / "out"), "--peft-after-prepare",
+                               flags=(*CP2, "--script-api", "cpctl"), cwd=tmp_path)
+    for line in outcome.refusals():
+        assert "28 parameters were added to the model after rt.prepare_model" in line and "lora_A" in line, line
+        assert "get_peft_model(model, config), then rt.prepare_model" in line, line
 
 
 @pytest.mark.full

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -114,10 +115,17 @@ def test_accelerates_two_ways_to_save_reload_as_trained(tmp_path: Path) -> None:
         assert (model.eval()(input_ids=PROBE).logits - trained).abs().max().item() <= TOLERANCE
 
 
+@pytest.fixture(scope="module")
+def trainer_two_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The Trainer route at cp 2 for two steps (its saved model, its checkpoint at step 2): one launch,
+    read by the tests of its format and, copied, resumed."""
+    return run_route(tmp_path_factory.mktemp("trainer"), "trainer", *CPU2, "--cp-size", "2")
+
+
 @pytest.mark.full
-def test_the_trainer_saves_its_model_and_checkpoints_in_hugging_faces_format(tmp_path: Path) -> None:
+def test_the_trainer_saves_its_model_and_checkpoints_in_hugging_faces_format(trainer_two_steps: Path) -> None:
     """FSDP_STATE_DICT_TYPE unset (accelerate's default: SHARDED_STATE_DICT), where save_model wrote nothing."""
-    out = run_route(tmp_path, "trainer", *CPU2, "--cp-size", "2")
+    out = trainer_two_steps
     assert_reloads_as_trained(out / "model", out)
     checkpoint = out / "run" / "checkpoint-2"
     assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "config.json").is_file()
@@ -131,10 +139,11 @@ def test_the_trainer_with_full_state_dict_saves_as_trained(tmp_path: Path) -> No
 
 
 @pytest.mark.full
-def test_the_trainer_resumed_from_its_checkpoint_saves_what_an_uninterrupted_run_would(tmp_path: Path) -> None:
-    (tmp_path / "a").mkdir()
+def test_the_trainer_resumed_from_its_checkpoint_saves_what_an_uninterrupted_run_would(trainer_two_steps: Path,
+                                                                                         tmp_path: Path) -> None:
     (tmp_path / "b").mkdir()
-    first = run_route(tmp_path / "a", "trainer", *CPU2, "--cp-size", "2")
+    first = tmp_path / "a" / trainer_two_steps.name
+    shutil.copytree(trainer_two_steps, first)  # resumed in a copy: the format test reads the original
     resumed = run_route(tmp_path / "a", "trainer", *CPU2, "--cp-size", "2", extra=("--steps", "4", "--resume"))
     assert resumed == first and (first / "run" / "checkpoint-4").is_dir()
     uninterrupted = run_route(tmp_path / "b", "trainer", *CPU2, "--cp-size", "2", extra=("--steps", "4"))

@@ -141,12 +141,14 @@ def test_the_documented_minimal_example_runs_with_its_bf16_default_only_when_the
     that is one line naming both; with --mixed-precision bf16 it trains on the CPU, under CP."""
     script = tmp_path / "minimal.py"
     script.write_text(MINIMAL.format(sft=hub / "sft", model=hub / "model"))
-    code, out, err = finish(cpctl(*CP2, str(script), tmp_path=tmp_path))
+    (tmp_path / "fp32").mkdir()  # the refused launch's own directory: both run at once
+    refused = cpctl(*CP2, str(script), tmp_path=tmp_path, cwd=tmp_path / "fp32")
+    trained = cpctl(*CP2, "--mixed-precision", "bf16", str(script), tmp_path=tmp_path, env=probed_env(tmp_path))
+    code, out, err = finish(refused)
     assert code == 1, out + err
     assert "the script's TrainingArguments set bf16=True (profile: fsdp.mixed_precision no)" in err
     assert "Traceback" not in err
-    code, out, err = finish(cpctl(*CP2, "--mixed-precision", "bf16", str(script), tmp_path=tmp_path,
-                                  env=probed_env(tmp_path)))
+    code, out, err = finish(trained)
     assert code == 0, out + err
     assert "'train_loss'" in out
     for rank in probed(tmp_path):
