@@ -10,9 +10,11 @@ with real `cpctl launch` runs.
 Tiers: `pytest` runs the quick tier (every pure and in-process test, and per capability at least
 one real multi-process run); `pytest --full` adds the tests marked `full` at the test
 (`@pytest.mark.full`, or `launching.tiered` for the rest of a launch matrix).
-Measured 2026-12-03 on 2 idle cores: the quick tier 269-336 s over six runs, 296 s the last (481 s
-before the pools, 381-390 s before its share of the numeric matrices, the references run alongside
-and cached bytecode), the full tier 1126 s (29 minutes before the pools)."""
+Measured 2026-12-03 on 2 idle cores: the quick tier 269-342 s over seven runs (481 s before the
+pools, 381-390 s before its share of the numeric matrices, the references run alongside and cached
+bytecode); the full tier 1126 s in the afternoon, and in the evening, when the same machine ran
+~20% slower, 1399 s before and 1252 s after the processes' fast exit and the merged launches
+(29 minutes before the pools)."""
 
 from __future__ import annotations
 
