@@ -73,7 +73,7 @@ def probed(tmp_path: Path, world: int = 2) -> list[dict]:
     return [json.loads((tmp_path / "probe" / f"rank{rank}.json").read_text()) for rank in range(world)]
 
 
-_STARTED: list[subprocess.Popen] = []  # start_python's processes, until their test ends
+_STARTED: list[subprocess.Popen] = []  # processes started beside a launch (start_python, started), until their test ends
 
 
 def stop_started() -> None:
@@ -86,6 +86,12 @@ def stop_started() -> None:
             proc.wait()
 
 
+def started(proc: subprocess.Popen) -> subprocess.Popen:
+    """`proc`, killed at its test's end if nobody waited for it (stop_started)."""
+    _STARTED.append(proc)
+    return proc
+
+
 def start_python(*argv: str, cwd: Path) -> Callable[[], str]:
     """Starts `python ARGV` in launch_env and returns what waits for it to exit 0 and gives its
     output: a one-process reference that runs while the launch it is compared with starts (both
@@ -96,7 +102,7 @@ def start_python(*argv: str, cwd: Path) -> Callable[[], str]:
     with log.open("w") as output:
         proc = subprocess.Popen([sys.executable, *argv], cwd=cwd, env=launch_env(cwd), stdout=output,
                                 stderr=subprocess.STDOUT, text=True)
-    _STARTED.append(proc)
+    started(proc)
 
     def wait() -> str:
         finish(proc, what=f"python {' '.join(argv[:2])}")

@@ -16,11 +16,12 @@ import errno
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO, cpctl, error_lines, finish
+from launching import REPO, cpctl, error_lines, finish, started
 from pool import Pools
 
 pytest.importorskip("transformers")
@@ -35,12 +36,23 @@ TOLERANCE = 1e-5
 
 
 def run_route(tmp_path: Path, route: str, *launch: str, extra: tuple[str, ...] = (), env: dict | None = None) -> Path:
+    return start_route(tmp_path, route, *launch, extra=extra, env=env)()
+
+
+def start_route(tmp_path: Path, route: str, *launch: str, extra: tuple[str, ...] = (),
+                env: dict | None = None) -> Callable[[], Path]:
+    """run_route, started: call the result to wait for it (it must exit 0) and get its output directory."""
     out = tmp_path / route
     api = "cpctl" if route == "runtime" else "accelerate"
-    code, stdout, stderr = finish(cpctl(*launch, "--script-api", api, str(WORKER), route, str(out), *extra,
-                                        tmp_path=tmp_path, extra_env=env))
-    assert code == 0, stdout + stderr
-    return out
+    proc = started(cpctl(*launch, "--script-api", api, str(WORKER), route, str(out), *extra, tmp_path=tmp_path,
+                         extra_env=env))
+
+    def wait() -> Path:
+        code, stdout, stderr = finish(proc)
+        assert code == 0, stdout + stderr
+        return out
+
+    return wait
 
 
 def reloaded_logits(directory: Path) -> torch.Tensor:
@@ -144,10 +156,11 @@ def test_the_trainer_resumed_from_its_checkpoint_saves_what_an_uninterrupted_run
     (tmp_path / "b").mkdir()
     first = tmp_path / "a" / trainer_two_steps.name
     shutil.copytree(trainer_two_steps, first)  # resumed in a copy: the format test reads the original
+    # the uninterrupted run starts beside the resumed one: both spend seconds importing
+    uninterrupted = start_route(tmp_path / "b", "trainer", *CPU2, "--cp-size", "2", extra=("--steps", "4"))
     resumed = run_route(tmp_path / "a", "trainer", *CPU2, "--cp-size", "2", extra=("--steps", "4", "--resume"))
     assert resumed == first and (first / "run" / "checkpoint-4").is_dir()
-    uninterrupted = run_route(tmp_path / "b", "trainer", *CPU2, "--cp-size", "2", extra=("--steps", "4"))
-    assert_reloads_as_trained(resumed / "model", uninterrupted)
+    assert_reloads_as_trained(resumed / "model", uninterrupted())
 
 
 @pytest.mark.full
