@@ -77,8 +77,9 @@ _STARTED: list[subprocess.Popen] = []  # processes started beside a launch (star
 
 
 def stop_started() -> None:
-    """Kills what start_python started and nobody waited for (its test failed first): a reference
-    left running would take a core from the tests after it."""
+    """Kills what start_python or started started and nobody waited for (its test failed first):
+    a reference or launch left running would take a core from the tests after it (a launcher
+    killed takes its workers with it)."""
     while _STARTED:
         proc = _STARTED.pop()
         if proc.poll() is None:

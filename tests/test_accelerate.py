@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from launching import (REPO, TIMEOUT, cpctl, finish, launch_env, launch_once, plain_losses, probed, probed_env,
-                       start_plain, tiered)
+                       start_plain, started, tiered)
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -245,8 +245,9 @@ def test_nd_parallel_with_its_cp_config_gives_the_one_process_losses(tmp_path: P
                    "--precision", "fp32")
     # the script all-reduces its loss, so its one-process run needs a process group: a launch of one,
     # started beside the launch at cp 2 (both spend seconds importing)
-    one_process = cpctl("--device", "cpu", "--nproc-per-node", "1", "--script-api", "accelerate",
-                        str(ND / "nd_parallel.py"), *script_args, "--save-dir", str(tmp_path / "one"), tmp_path=tmp_path)
+    one_process = started(cpctl("--device", "cpu", "--nproc-per-node", "1", "--script-api", "accelerate",
+                                str(ND / "nd_parallel.py"), *script_args, "--save-dir", str(tmp_path / "one"),
+                                tmp_path=tmp_path))
     code, out, err = finish(cpctl("--config", str(ND / "cp.yaml"), *ON_THIS_CPU, "--mixed-precision", "no",
                                   str(ND / "nd_parallel.py"), "--cp-size", "2", *script_args,
                                   "--save-dir", str(tmp_path / "cp"), tmp_path=tmp_path, env=probed_env(tmp_path)))

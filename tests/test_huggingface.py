@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, TIMEOUT, cpctl, finish, launch_env, tiered
+from launching import REPO, TIMEOUT, cpctl, finish, launch_env, started, tiered
 
 pytest.importorskip("transformers")
 
@@ -243,8 +243,8 @@ def test_a_model_compiled_after_prepare_model_trains_as_uncompiled_without_dynam
     longer traces its cached kernel checks (its 'silent incorrectness' warning on every rank). The
     compiled run is a real launch (its ranks' output is read); the eager one runs in the pool."""
     worker = REPO / "tests" / "workers" / "compiled_case.py"
-    compiled_run = cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(worker),
-                         str(tmp_path / "compiled.json"), "--compile", tmp_path=tmp_path)
+    compiled_run = started(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(worker),
+                                 str(tmp_path / "compiled.json"), "--compile", tmp_path=tmp_path))
     pools.run(worker, str(tmp_path / "eager.json"), flags=("--nproc-per-node", "2", "--cp-size", "2"), cwd=tmp_path)
     code, stdout, stderr = finish(compiled_run)
     assert code == 0, stdout + stderr

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from launching import cpctl, finish, probed, probed_env, start_python
+from launching import cpctl, finish, probed, probed_env, start_python, started
 from saved_models import largest_difference
 
 pytest.importorskip("trl")
@@ -143,7 +143,8 @@ def test_the_documented_minimal_example_runs_with_its_bf16_default_only_when_the
     script.write_text(MINIMAL.format(sft=hub / "sft", model=hub / "model"))
     (tmp_path / "fp32").mkdir()  # the refused launch's own directory: both run at once
     refused = cpctl(*CP2, str(script), tmp_path=tmp_path, cwd=tmp_path / "fp32")
-    trained = cpctl(*CP2, "--mixed-precision", "bf16", str(script), tmp_path=tmp_path, env=probed_env(tmp_path))
+    trained = started(cpctl(*CP2, "--mixed-precision", "bf16", str(script), tmp_path=tmp_path,
+                            env=probed_env(tmp_path)))
     code, out, err = finish(refused)
     assert code == 1, out + err
     assert "the script's TrainingArguments set bf16=True (profile: fsdp.mixed_precision no)" in err
