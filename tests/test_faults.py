@@ -190,6 +190,18 @@ def test_a_worker_killed_by_signal_9_is_named_and_told_apart_from_the_oom_killer
         assert "not by this machine's out-of-memory killer" in line, line
 
 
+def test_a_worker_that_crashes_in_native_code_shows_its_python_stack(tmp_path: Path) -> None:
+    proc = cpctl("--device", "cpu", "--nproc-per-node", "2", str(WORKER), "segfault", tmp_path=tmp_path)
+    code, stdout, stderr = finish(proc)
+    assert code == 128 + signal.SIGSEGV, stdout + stderr
+    (line,) = [line for line in stderr.splitlines() if line.startswith("error:")]
+    assert "worker rank 1" in line and "was killed by SIGSEGV (signal 11)" in line, line
+    # faulthandler's dump (the launcher sets PYTHONFAULTHANDLER), under the rank's prefix
+    crashed = [line for line in (stdout + stderr).splitlines() if line.startswith("[rank1]")]
+    assert any("Fatal Python error: Segmentation fault" in line for line in crashed), stdout + stderr
+    assert any("in crash_in_native_code" in line for line in crashed), stdout + stderr
+
+
 @pytest.mark.parametrize(("oom", "offload", "expected", "absent"), [
     (True, ["memory.offload_activations: true"],
      [("SIGKILL (signal 9) from the kernel's out-of-memory killer: host memory ran out (it held 98.0 GiB of this "

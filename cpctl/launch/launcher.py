@@ -113,6 +113,10 @@ def worker_env(profile: Profile, *, environ: Mapping[str, str]) -> dict[str, str
         env[LOG_PREFIX_ENV_VAR] = LOG_PREFIX
     if "OMP_NUM_THREADS" not in environ and profile.launch.nproc_per_node > 1:
         env["OMP_NUM_THREADS"] = "1"  # what torchrun would set, without its banner
+    if "PYTHONFAULTHANDLER" not in environ:
+        # a worker that crashes in native code (SIGSEGV, SIGABRT, ...) prints its Python stack
+        # above the launcher's line instead of leaving only the signal's name
+        env["PYTHONFAULTHANDLER"] = "1"
     return env
 
 

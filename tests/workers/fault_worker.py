@@ -1,6 +1,6 @@
 """Worker for tests/test_faults.py and tests/test_checkpoint.py: `hang` (rank 1 stops answering
 before a collective the others wait in), `sleep` (every rank writes its pid to argv[2] and
-sleeps, for killing the launcher) or `train` (every rank writes its pid to
+sleeps, for killing the launcher), `segfault` (rank 1 reads address 0 in native code) or `train` (every rank writes its pid to
 argv[2]/rank{R}-attempt{A}.pid, then runs scripts/train_llama.py with the arguments after it:
 a test kills the rank it means, by pid)."""
 
@@ -29,6 +29,16 @@ elif mode == "train":
     from train_llama import main
 
     main(sys.argv[3:])
+elif mode == "segfault":
+
+    def crash_in_native_code() -> None:
+        import ctypes
+
+        ctypes.string_at(0)  # SIGSEGV
+
+    if rt.rank == 1:
+        crash_in_native_code()
+    dist.barrier()
 elif mode == "sleep":
     with open(os.path.join(sys.argv[2], f"pid{rt.rank}"), "w") as f:
         f.write(str(os.getpid()))
