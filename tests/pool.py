@@ -28,7 +28,9 @@ from launching import REPO, launch_env
 
 WORKER = REPO / "tests" / "workers" / "pool_worker.py"
 JOB_TIMEOUT = 300
-POLL_S = 0.01
+# between looks for a job's results: short at first (many jobs take a fraction of a second),
+# longer for long jobs, so that waiting costs this process little CPU
+FIRST_POLL_S, LONGEST_POLL_S = 0.002, 0.05
 STOP_TIMEOUT_S = 30
 FAILED_PEERS_GRACE_S = 5  # after one rank failed, how long the others get to end their job
 
@@ -108,6 +110,7 @@ class Pool:
                                "env": profile_env(["--device", "cpu", *flags])})
         done = [self.jobs / f"job{number}.rank{rank}.json" for rank in range(self.world)]
         deadline, why = time.monotonic() + timeout, f"no result in {timeout:.0f}s"
+        wait = FIRST_POLL_S
         while not all(path.exists() for path in done):
             if any(path.exists() and json.loads(path.read_text())["failure"] for path in done):
                 # its peers may wait for it forever
@@ -119,7 +122,8 @@ class Pool:
                 break
             if time.monotonic() > deadline:
                 break
-            time.sleep(POLL_S)
+            time.sleep(wait)
+            wait = min(wait * 1.5, LONGEST_POLL_S)
         failures = [json.loads(path.read_text())["failure"] if path.exists() else why for path in done]
         outputs = [self._printed(number, rank) for rank in range(self.world)]
         if not all(path.exists() for path in done):
