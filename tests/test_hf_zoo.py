@@ -42,8 +42,28 @@ SEQ = 64  # the worker's sequence length
 LAUNCH_TIMEOUT = 900  # seconds for one launch over the whole zoo (about a minute when all goes well)
 
 # Architecture ("llama") or architecture/case ("llama/hf_loss") -> a substring of the error cpctl
-# is expected to raise instead of training it. The more specific key wins.
-REFUSED: dict[str, str] = {}
+# is expected to raise instead of training it (REFUSED_SHARDED: only when cp > 1). The more
+# specific key wins, and under CP a REFUSED_SHARDED one.
+REFUSED: dict[str, str] = {
+    "bart": "its forward takes no position_ids",
+    # its LM head transforms the hidden states (dense, GELU, layer norm) before the output embedding
+    "roberta/chunked_loss": "computes its logits in a way cpctl's chunked loss does not reproduce",
+    "roberta/packed_chunked_loss": "computes its logits in a way cpctl's chunked loss does not reproduce",
+}
+REFUSED_SHARDED: dict[str, str] = {
+    # without position ids RoBERTa numbers its tokens from its padding token, which no shard can
+    "roberta/hf_loss": "numbers its tokens from its padding token",
+    "roberta/chunked_loss": "numbers its tokens from its padding token",
+}
+# Architecture/case -> why transformers in one process is not this case's reference: the case must
+# run, its numbers are not compared. OPT and RoBERTa build their masks without position ids, so in
+# one process attention crosses the packed documents that `documents=` asks cpctl to separate (at
+# every cp size); without `documents=` they train as in one process (packed_loss_nocache,
+# packed_chunked_loss).
+UNLIKE_ONE_PROCESS: dict[str, str] = {
+    "opt/packed": "its mask reads no documents from position ids",
+    "roberta/packed": "its mask reads no documents from position ids",
+}
 
 
 def _worker_constant(name: str) -> ast.expr:
@@ -133,12 +153,16 @@ def zoo(tmp_path_factory: pytest.TempPathFactory, pools, request: pytest.Fixture
 
 def check(record: dict, arch: str, case: str, *, cp: int) -> None:
     refused = REFUSED.get(f"{arch}/{case}", REFUSED.get(arch))
+    if cp > 1:
+        refused = REFUSED_SHARDED.get(f"{arch}/{case}", REFUSED_SHARDED.get(arch, refused))
     if refused is not None:
         assert record.get("error") and refused in record["error"], (
             f"{arch}/{case}: expected an error containing {refused!r}, got {record}")
         return
     assert record.get("error") is None, f"{arch}/{case}: {record['error']}"
     assert len(record["losses_ref"]) == len(record["losses_cp"]) == 2, record
+    if f"{arch}/{case}" in UNLIKE_ONE_PROCESS:
+        return
     assert record["local_len"] == SEQ // cp, f"{arch}/{case}: the CP model saw {record['local_len']} tokens"
     assert record["engine_calls"] > 0, f"{arch}/{case}: attention did not go through cpctl's engine"
     assert record["loss_diff"] <= TOLERANCE, f"{arch}/{case}: loss differs by {record['loss_diff']:.3g}: {record}"

@@ -30,8 +30,11 @@ prepared in one process (a policy and a reference model, a PEFT model and anothe
 two runtimes) each compute with their own.
 
 Packed documents are read from position ids exactly when transformers reads them in one
-process: no attention_mask and no KV cache (use_cache off: the config's default, True, keeps
-transformers from reading them).
+process: no attention_mask, no KV cache (use_cache off: the config's default, True, keeps
+transformers from reading them), and a model that hands its position ids to transformers' mask
+functions (OPT, BERT-style decoders build their masks without them: attention crosses documents).
+
+A model whose forward takes no position_ids would number each shard from its own start: refused.
 
 What cannot be expressed is refused before the first step, from the config, or at the call,
 with the setting to change: never a silently different model. At cp_size 1 a model whose
@@ -46,7 +49,7 @@ import inspect
 import logging
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -58,7 +61,7 @@ from cpctl import topology
 from cpctl.errors import CpctlError
 from cpctl.integrations import fsdp_saving
 from cpctl.integrations.patches import PATCHES
-from cpctl.upstream import module_uses
+from cpctl.upstream import Shape, module_uses, require_shape
 from cpctl.runtime import adapters, losses
 from cpctl.runtime.mesh import Axis
 from cpctl.runtime.padding import IGNORE_INDEX
@@ -124,7 +127,7 @@ def prepare(model: nn.Module, runtime: RuntimeView) -> PreparedModel:
     """
     fsdp_saving.install()  # once sharded, save_pretrained must gather before it writes
     config = model.config
-    problems = [*_config_problems(config),
+    problems = [*_config_problems(config), *_position_problems(model),
                 *_head_problems(config, sp_size=runtime.sp_size, tp_size=runtime.config.parallelism.tp_size)]
     problem = next(iter(problems), None)
     calls_sdpa = False
@@ -147,7 +150,8 @@ def prepare(model: nn.Module, runtime: RuntimeView) -> PreparedModel:
         checkpointing = _checkpointing_on(model)
         if checkpointing:
             model.gradient_checkpointing_disable()
-        prepared = PreparedModel(runtime, calls_sdpa=calls_sdpa, had_checkpointing=checkpointing)
+        prepared = PreparedModel(runtime, calls_sdpa=calls_sdpa, had_checkpointing=checkpointing,
+                                 counts_positions_from_padding=_counts_positions_from_padding(model))
     prepared.attach(model)
     return prepared
 
@@ -198,6 +202,21 @@ def _config_problems(config) -> Iterator[str]:
                        f"sharded by sequence; cpctl shards {', '.join(ATTENTION_LAYERS)} layers")
 
 
+def _position_problems(model: nn.Module) -> Iterator[str]:
+    """cpctl hands a model where each token sits in the whole sequence through `position_ids`; a
+    forward that takes none (BART-style decoders, Whisper's, MPT, xLSTM) would number a shard's
+    tokens from its own start, silently."""
+    if "position_ids" not in inspect.signature(model.forward).parameters:
+        yield ("its forward takes no position_ids, so it would place each shard's tokens by the shard's own "
+               "length (learned, sinusoidal or ALiBi positions, or a recurrence); run it at cp_size 1")
+
+
+def _counts_positions_from_padding(model: nn.Module) -> bool:
+    """Whether the model's embeddings derive default positions from its padding token: transformers
+    gives that family (RoBERTa, XLM-R, CamemBERT, ESM, ...) `create_position_ids_from_input_ids`."""
+    return any(callable(getattr(module, "create_position_ids_from_input_ids", None)) for module in model.modules())
+
+
 def _head_problems(config, *, sp_size: int, tp_size: int) -> Iterator[str]:
     """Ulysses splits each rank's attention heads over sp ranks: they must divide evenly. (K/V heads
     need not: fewer than sp are replicated, exactly.)"""
@@ -210,13 +229,37 @@ def _head_problems(config, *, sp_size: int, tp_size: int) -> Iterator[str]:
 
 def _register_with_transformers() -> None:
     """The "cpctl" attention and mask functions, once per process, through the patch registry."""
-    from transformers import AttentionInterface
+    from transformers import AttentionInterface, masking_utils
     from transformers.masking_utils import AttentionMaskInterface
 
     for registry, function in ((AttentionInterface, attention), (AttentionMaskInterface, mask)):
         if not PATCHES.is_patched(registry, IMPLEMENTATION):
             PATCHES.register(registry, IMPLEMENTATION, function,
                              why="cpctl's attention for prepared models: the CP engine inside maybe_context_parallel")
+    if not PATCHES.is_patched(masking_utils, "find_packed_sequence_indices"):
+        # its mask functions look for packed documents through this name: only there does transformers
+        # read them in one process (a model that builds its mask without its position ids never does)
+        require_shape(masking_utils, "_preprocess_mask_arguments", Shape(reads=("find_packed_sequence_indices",)))
+        PATCHES.replace(masking_utils, "find_packed_sequence_indices", _reading_packed_documents,
+                        why="packed documents under CP exactly where transformers reads them from position ids",
+                        needs=Shape(parameters=("position_ids",)))
+
+
+def _reading_packed_documents(original: Callable[..., Any]) -> Callable[..., Any]:
+    """transformers' search for packed documents in a mask function's position ids; under CP the
+    prepared forward's own (sharded, whole-sequence) position ids become the step's documents, and
+    transformers gets none: cpctl's engine masks them, and its mask function builds no mask."""
+
+    def find_packed_sequence_indices(position_ids: torch.Tensor) -> torch.Tensor | None:
+        forward = _RUNNING[-1] if _RUNNING else None
+        if forward is None or not forward.prepared.runtime.cp_active:
+            return original(position_ids)
+        if forward.documents_from is not None:
+            forward.prepared.runtime.adopt_position_ids(forward.documents_from)
+            forward.documents_from = None
+        return None
+
+    return find_packed_sequence_indices
 
 
 # ---------------------------------------------------------------------------- masks and attention
@@ -229,6 +272,9 @@ class _Forward:
     prepared: PreparedModel
     engine_calls_before: int | None = None  # a model that calls SDPA itself, under CP: the engine's count at its start
     shifted_labels: torch.Tensor | None = None  # set when cpctl makes its loss (this shard's sum) the batch's mean
+    # the position ids it was called with, where transformers would read packed documents from them,
+    # until its mask function looks for them (_reading_packed_documents)
+    documents_from: torch.Tensor | None = None
 
 
 # The prepared models' forwards in progress, innermost last: transformers calls the attention and
@@ -365,7 +411,7 @@ class PreparedModel:
     """
 
     def __init__(self, runtime: RuntimeView, *, calls_sdpa: bool = False, had_checkpointing: bool = False,
-                 refusal: str | None = None) -> None:
+                 counts_positions_from_padding: bool = False, refusal: str | None = None) -> None:
         self.runtime = runtime
         # It takes no attention implementation but calls SDPA itself (Falcon): under CP it is handed
         # MODEL_CAUSAL_MASK, and its SDPA calls are routed like any other code's.
@@ -373,6 +419,9 @@ class PreparedModel:
         # Its own gradient checkpointing was on (prepare turned it off; the runtime checkpoints its
         # blocks instead): transformers would have trained it without a KV cache.
         self.had_checkpointing = had_checkpointing
+        # Left without position_ids it numbers its tokens from padding_idx + 1, skipping pads (RoBERTa
+        # and its kin), not 0, 1, 2, ... as cpctl would fill them in.
+        self.counts_positions_from_padding = counts_positions_from_padding
         # At cp_size 1, why it keeps transformers' attention: then refused inside maybe_context_parallel.
         self.refusal = refusal
 
@@ -416,7 +465,8 @@ class PreparedModel:
         for name in ("input_ids", "inputs_embeds", "position_ids", "labels", "shift_labels", "attention_mask"):
             runtime.require_sharded(kwargs.get(name), name=name, seq_dim=1)
 
-        # As transformers: position ids restarting mean packed documents only where no mask is given.
+        # As transformers: position ids restarting mean packed documents only where no mask is given
+        # (and the model hands them to its mask function: _reading_packed_documents).
         reads_documents = kwargs.get("attention_mask") is None and not self._builds_cache(model, kwargs)
         hf_padding.adapt(kwargs, runtime, local_len=local_len, device=tokens.device)  # the mask -> hidden keys
         if kwargs.get("use_cache"):
@@ -430,12 +480,21 @@ class PreparedModel:
             kwargs["attention_mask"] = MODEL_CAUSAL_MASK  # its SDPA calls read it as the causal mask
             forward.engine_calls_before = runtime.attention_calls
         position_ids = kwargs.get("position_ids")
-        if position_ids is None:
+        if position_ids is None and self.counts_positions_from_padding:
+            if runtime.seq_size > 1:
+                raise CpctlError(f"{type(model).__name__} numbers its tokens from its padding token when position_ids "
+                                 "are left out (padding_idx + 1 on, skipping pads), which a shard cannot tell; pass "
+                                 "the whole sequence's position_ids, sharded with the batch")
+            # one rank holds the whole sequence: the model numbers it as in one process
+        elif position_ids is None:
             # RoPE must see where each token sits in the whole sequence, not in this shard.
             full = torch.arange(local_len * runtime.seq_size, device=tokens.device).expand(batch, -1)
             kwargs["position_ids"] = runtime.shard(full, seq_dim=1)
-        elif reads_documents:
+        elif reads_documents and self.calls_sdpa:
+            # it is handed MODEL_CAUSAL_MASK, so its mask function never looks: read them as it would have
             runtime.adopt_position_ids(position_ids)
+        elif reads_documents:
+            forward.documents_from = position_ids
         if kwargs.get("labels") is not None:
             kwargs.update(self._loss_arguments(model, kwargs, forward))
         return (), kwargs
@@ -522,14 +581,18 @@ def causal_lm_loss_sum(model: nn.Module, runtime: RuntimeView, *, input_ids: tor
     if head is None or decoder is None:
         raise CpctlError(f"{type(model).__name__} has no output embedding and decoder to take a chunked loss from; "
                          "compute the loss from its logits with rt.token_mean")
-    captured: list[torch.Tensor] = []
+    captured: list[Any] = []
     hook = decoder.register_forward_hook(lambda module, args, output: captured.append(
-        output[0] if isinstance(output, tuple) else output.last_hidden_state))
+        output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, tuple)
+        else getattr(output, "last_hidden_state", None)))
     try:  # logits for the last token only: the check below, not the loss
         output = model(input_ids=input_ids, use_cache=False, logits_to_keep=1, **kwargs)
     finally:
         hook.remove()
-    hidden = captured[-1]
+    hidden = captured[-1] if captured else None
+    if not isinstance(hidden, torch.Tensor) or hidden.shape[:2] != input_ids.shape[:2]:
+        raise CpctlError(f"{type(model).__name__}: cpctl found no final hidden states (one per token) to take a "
+                         "chunked loss from; compute the loss from its logits with rt.token_mean")
     transform = _logit_transform(model.config)
     _check_logits(output.logits[:, -1], hidden[:, -1], head, transform, model)
     shifted = runtime.shift_sharded(labels, ignore_index=IGNORE_INDEX) if runtime.cp_active else _shift(labels)

@@ -186,11 +186,32 @@ def _falcon() -> nn.Module:  # no AttentionInterface: calls SDPA itself; multi-q
         pad_token_id=0, attn_implementation="sdpa"))
 
 
+def _opt() -> nn.Module:  # learned positions (offset 2); builds its causal mask without position ids
+    cfg = {k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "intermediate_size", "initializer_range")}
+    return hf.OPTForCausalLM(hf.OPTConfig(**cfg, num_hidden_layers=2, ffn_dim=64, init_std=0.1, dropout=0.0))
+
+
+def _roberta() -> nn.Module:  # as a decoder: learned positions counted from its padding token when none are given
+    cfg = {k: v for k, v in COMMON.items() if k not in ("num_key_value_heads",)}
+    return hf.RobertaForCausalLM(hf.RobertaConfig(**cfg, num_hidden_layers=2, is_decoder=True, hidden_dropout_prob=0.0,
+                                                  attention_probs_dropout_prob=0.0))
+
+
+def _bart() -> nn.Module:  # a decoder whose forward takes no position ids: refused under CP
+    cfg = {k: v for k, v in COMMON.items() if k not in ("num_key_value_heads", "hidden_size", "intermediate_size",
+                                                        "num_attention_heads", "initializer_range")}
+    return hf.BartForCausalLM(hf.BartConfig(**cfg, d_model=32, decoder_layers=2, encoder_layers=2,
+                                            decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=64,
+                                            encoder_ffn_dim=64, init_std=0.1, dropout=0.0, is_decoder=True,
+                                            is_encoder_decoder=False, add_cross_attention=False))
+
+
 ARCHS: dict[str, Callable[[], nn.Module]] = {
     "llama": _llama, "mistral": _mistral, "qwen2": _qwen2, "qwen3": _qwen3, "qwen3_moe": _qwen3_moe,
     "gemma3": _gemma3, "gemma2": _gemma2, "cohere2": _cohere2, "llama4": _llama4, "deepseek_v3": _deepseek_v3,
     "mixtral": _mixtral, "phi3": _phi3, "stablelm": _stablelm, "gpt_neox": _gpt_neox, "olmo2": _olmo2,
-    "granite": _granite, "smollm3": _smollm3, "glm4": _glm4, "falcon": _falcon,
+    "granite": _granite, "smollm3": _smollm3, "glm4": _glm4, "falcon": _falcon, "opt": _opt, "roberta": _roberta,
+    "bart": _bart,
 }
 
 
