@@ -53,7 +53,7 @@ def shape_problem(owner: Any, name: str, shape: Shape) -> str | None:
         except (TypeError, ValueError):
             taken = {}
         problems += [f"no parameter {parameter}" for parameter in shape.parameters if parameter not in taken]
-    read = _names_read(code) if code is not None else set()
+    read = names_read(code) if code is not None else set()
     problems += [f"no use of {what}" for what in shape.reads if what not in read]
     counts = _attribute_reads(code) if code is not None else {}
     problems += [f"{counts.get(what, 0)} reads of {what}, not one" for what in shape.reads_once
@@ -93,17 +93,17 @@ def module_uses(module: types.ModuleType | None, name: str) -> bool:
     for value in (*defined, *members):
         for function in (value.fget, value.fset) if isinstance(value, property) else (value,):
             code = getattr(getattr(function, "__func__", function), "__code__", None)
-            if isinstance(code, types.CodeType) and name in _names_read(code):
+            if isinstance(code, types.CodeType) and name in names_read(code):
                 return True
     return False
 
 
-def _names_read(code: types.CodeType) -> set[str]:
+def names_read(code: types.CodeType) -> set[str]:
     """The global and attribute names `code` and the functions nested in it use."""
     names = set(code.co_names)
     for constant in code.co_consts:
         if isinstance(constant, types.CodeType):
-            names |= _names_read(constant)
+            names |= names_read(constant)
     return names
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from launching import REPO, TIMEOUT, cpctl, finish, launch_env, started, tiered
 
+from cpctl.errors import CpctlError
+
 pytest.importorskip("transformers")
 
 
@@ -105,6 +107,93 @@ def test_a_model_that_calls_sdpa_itself_is_routed_unless_its_mask_holds_more_tha
     assert "alibi=True" in _sdpa_call_problem(falcon(alibi=True))
     eager = _sdpa_call_problem(falcon(attn_implementation="eager"))
     assert "'eager'" in eager and 'attn_implementation="sdpa"' in eager
+    # a class transformers offers no SDPA for is not told to ask for it
+    from transformers import XGLMConfig, XGLMForCausalLM
+
+    eager_only = _sdpa_call_problem(XGLMForCausalLM(XGLMConfig(vocab_size=64, d_model=16, num_layers=1,
+                                                               attention_heads=2, ffn_dim=32)))
+    assert "(transformers has no SDPA for it)" in eager_only and "cp_size 1" in eager_only
+
+
+def tiny(family: str, **overrides):
+    """A tiny transformers causal LM of `family` ("llama", "bart", "whisper", "roberta"), SDPA."""
+    import transformers as hf
+
+    common = dict(vocab_size=64, attn_implementation="sdpa", **overrides)
+    if family == "llama":
+        return hf.LlamaForCausalLM(hf.LlamaConfig(**common, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                  num_attention_heads=4, num_key_value_heads=2))
+    if family == "roberta":
+        return hf.RobertaForCausalLM(hf.RobertaConfig(**common, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                      num_attention_heads=4, is_decoder=True))
+    decoder = dict(d_model=32, decoder_layers=1, encoder_layers=1, decoder_attention_heads=4, encoder_attention_heads=4,
+                   decoder_ffn_dim=64, encoder_ffn_dim=64, is_decoder=True, is_encoder_decoder=False, pad_token_id=0,
+                   bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    config = {"bart": hf.BartConfig, "whisper": hf.WhisperConfig}[family](**common, **decoder)
+    return {"bart": hf.BartForCausalLM, "whisper": hf.WhisperForCausalLM}[family](config)
+
+
+def test_what_a_model_does_with_positions_and_its_loss_is_read_from_the_model() -> None:
+    """Positions: a forward without position_ids would number each shard from 0 (refused); RoBERTa's
+    default positions count from its padding token. The loss: transformers answers ForCausalLMLoss
+    for every model without a loss_type, so only the forward's code shows BART's and Whisper's own
+    unshifted CrossEntropyLoss."""
+    from cpctl.integrations.huggingface import _computes_loss_function, _counts_positions_from_padding, _position_problems
+
+    llama, roberta, bart, whisper = (tiny(family) for family in ("llama", "roberta", "bart", "whisper"))
+    assert list(_position_problems(llama)) == list(_position_problems(roberta)) == []
+    for model in (bart, whisper):
+        (problem,) = _position_problems(model)
+        assert "its forward takes no position_ids" in problem and "cp_size 1" in problem
+    assert [_counts_positions_from_padding(m) for m in (llama, roberta, bart)] == [False, True, False]
+    assert [_computes_loss_function(m) for m in (llama, roberta, bart, whisper)] == [True, True, False, False]
+
+
+def test_a_chunked_loss_needs_a_plain_linear_head_and_the_models_exact_logits() -> None:
+    import torch
+
+    from cpctl.integrations.huggingface import _check_logits, causal_lm_loss_sum
+
+    model = tiny("llama")
+
+    class ScaledHead(torch.nn.Linear):  # a learned logit scale, as Dory's head has
+        def forward(self, hidden):
+            return super().forward(hidden) * 1.5
+
+    head = ScaledHead(32, 64, bias=False)
+    model.set_output_embeddings(head)
+    ids = torch.randint(64, (1, 8))
+    with pytest.raises(CpctlError, match="output head ScaledHead is not a plain linear layer"):
+        causal_lm_loss_sum(model, None, input_ids=ids, labels=ids, chunk_tokens=4)
+    # a scale close to 1 (HyperCLOVAX's logits_scaling multiplies where Granite's divides) is no rounding in fp32
+    hidden = torch.randn(2, 32)
+    plain = torch.nn.Linear(32, 64)
+    _check_logits(plain(hidden), hidden, plain, None, model)
+    with pytest.raises(CpctlError, match="computes its logits in a way cpctl's chunked loss does not reproduce"):
+        _check_logits(plain(hidden) * 1.0005, hidden, plain, None, model)
+
+
+def test_a_forward_under_cp_without_one_attention_call_through_cpctl_is_one_line() -> None:
+    """Whatever mixes a shard's tokens outside cpctl's attention (here the model switched to eager
+    after prepare_model; a recurrence would do the same) never sees the other shards'."""
+    import torch
+
+    from cpctl.integrations import huggingface
+    from cpctl.integrations.patches import PATCHES
+
+    model = tiny("llama")
+    runtime = CountingRuntime()
+    try:
+        huggingface.prepare(model, runtime)
+        ids = torch.randint(64, (1, 8))
+        with runtime.routing():
+            model(input_ids=ids)
+            assert runtime.attention_calls == 1
+            model.config._attn_implementation = "eager"
+            with pytest.raises(CpctlError, match="without one attention call through cpctl"):
+                model(input_ids=ids)
+    finally:
+        PATCHES.remove()
 
 
 class CountingRuntime:

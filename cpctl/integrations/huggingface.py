@@ -61,7 +61,7 @@ from cpctl import topology
 from cpctl.errors import CpctlError
 from cpctl.integrations import fsdp_saving
 from cpctl.integrations.patches import PATCHES
-from cpctl.upstream import Shape, module_uses, require_shape
+from cpctl.upstream import Shape, module_uses, names_read, require_shape
 from cpctl.runtime import adapters, losses
 from cpctl.runtime.mesh import Axis
 from cpctl.runtime.padding import IGNORE_INDEX
@@ -167,6 +167,9 @@ def _sdpa_call_problem(model: nn.Module) -> str | None:
     mask, which cpctl then routes; else why cpctl cannot see its attention."""
     config = model.config
     if config._attn_implementation != "sdpa":
+        if not getattr(type(model), "_supports_sdpa", True):  # XGLM, GPT-Neo, ...: asking for sdpa fails
+            return (f"its attention is {config._attn_implementation!r} only (transformers has no SDPA for it) and it "
+                    "does not take transformers' AttentionInterface; run it at cp_size 1")
         return (f"its attention is {config._attn_implementation!r} and it does not take transformers' "
                 "AttentionInterface; build it with attn_implementation=\"sdpa\"")
     if not module_uses(sys.modules.get(type(model).__module__), "scaled_dot_product_attention"):
@@ -473,12 +476,12 @@ class PreparedModel:
             raise CpctlError("use_cache=True under context parallelism: a KV cache of a shard is no use; "
                              "pass use_cache=False")
         kwargs["use_cache"] = False
+        forward.engine_calls_before = runtime.attention_calls
         if self.calls_sdpa:
             if kwargs.get("output_attentions"):
                 raise CpctlError(f"output_attentions=True: {type(model).__name__} then computes attention without "
                                  "SDPA, which cpctl cannot route; leave it out")
             kwargs["attention_mask"] = MODEL_CAUSAL_MASK  # its SDPA calls read it as the causal mask
-            forward.engine_calls_before = runtime.attention_calls
         position_ids = kwargs.get("position_ids")
         if position_ids is None and self.counts_positions_from_padding:
             if runtime.seq_size > 1:
@@ -519,7 +522,7 @@ class PreparedModel:
         from transformers.loss.loss_utils import ForCausalLMLoss
 
         runtime = self.runtime
-        if getattr(model, "loss_function", None) is not ForCausalLMLoss:
+        if getattr(model, "loss_function", None) is not ForCausalLMLoss or not _computes_loss_function(model):
             raise CpctlError(f"{type(model).__name__}(labels=...) under context parallelism: cpctl makes only the "
                              "causal-LM loss exact; compute the loss from the logits and use rt.token_mean")
         if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in inspect.signature(model.forward).parameters.values()):
@@ -548,9 +551,10 @@ class PreparedModel:
             return None
         runtime = self.runtime
         if forward.engine_calls_before is not None and runtime.attention_calls == forward.engine_calls_before:
-            raise CpctlError(f"{type(model).__name__} computed attention without calling scaled_dot_product_attention "
-                             "under context parallelism, so cpctl could not route it; build it with "
-                             "attn_implementation=\"sdpa\"")
+            # each shard alone: whatever mixed its tokens (its own attention code, a recurrence) saw no other
+            raise CpctlError(f"{type(model).__name__} ran a forward under context parallelism without one attention "
+                             "call through cpctl, so its tokens never met the other shards'; build it with "
+                             "attn_implementation=\"sdpa\", or run it at cp_size 1")
         if forward.shifted_labels is None:  # no labels, or the caller counts the tokens itself
             return None
         as_tuple = isinstance(output, tuple)  # return_dict=False: the loss comes first
@@ -581,6 +585,10 @@ def causal_lm_loss_sum(model: nn.Module, runtime: RuntimeView, *, input_ids: tor
     if head is None or decoder is None:
         raise CpctlError(f"{type(model).__name__} has no output embedding and decoder to take a chunked loss from; "
                          "compute the loss from its logits with rt.token_mean")
+    if not isinstance(head, nn.Linear) or type(head).forward is not nn.Linear.forward:
+        # the chunks use its weight and bias only: a head of its own (a learned logit scale) would be skipped
+        raise CpctlError(f"{type(model).__name__}'s output head {type(head).__name__} is not a plain linear layer, so "
+                         "cpctl's chunked loss cannot compute it; compute the loss from its logits with rt.token_mean")
     captured: list[Any] = []
     hook = decoder.register_forward_hook(lambda module, args, output: captured.append(
         output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, tuple)
@@ -600,6 +608,15 @@ def causal_lm_loss_sum(model: nn.Module, runtime: RuntimeView, *, input_ids: tor
                                                    chunk_tokens=chunk_tokens, ignore_index=IGNORE_INDEX,
                                                    transform=transform)
     return loss_sum, shifted
+
+
+def _computes_loss_function(model: nn.Module) -> bool:
+    """Whether the model's forward takes its loss from `self.loss_function` (which then gets cpctl's
+    shift_labels), not a loss of its own: transformers answers ForCausalLMLoss for any model without a
+    loss_type, so only the forward's code tells (BART-style decoders use CrossEntropyLoss, unshifted)."""
+    forward = inspect.unwrap(type(model).forward)
+    code = getattr(forward, "__code__", None)
+    return code is not None and "loss_function" in names_read(code)
 
 
 def _decoder(model: nn.Module) -> nn.Module | None:
@@ -640,10 +657,13 @@ def _check_logits(model_logits, last_hidden, head, transform, model) -> None:
     """The model's own logits of the last token against ours: a model that changes its logits in
     a way cpctl does not know would otherwise train on a different loss, silently."""
     with torch.no_grad():
-        ours = head(last_hidden)
+        ours = nn.functional.linear(last_hidden, head.weight, head.bias)
         ours = transform(ours) if transform is not None else ours
         gap = (ours.float() - model_logits.float()).abs().max().item()
         scale = model_logits.float().abs().max().item() + 1.0
-    if gap > 1e-3 * scale:
+    # the same product on the same numbers: in fp32 a transform cpctl does not know shows above
+    # rounding (a logit scale of 1.0005 as much as one of 2); half precision rounds at ~4e-3
+    tolerance = 1e-5 if model_logits.dtype in (torch.float32, torch.float64) else 1e-2
+    if gap > tolerance * scale:
         raise CpctlError(f"{type(model).__name__} computes its logits in a way cpctl's chunked loss does not "
                          f"reproduce (gap {gap:.3g}); compute the loss from model(...).logits with rt.token_mean")
