@@ -151,7 +151,8 @@ def prepare(model: nn.Module, runtime: RuntimeView) -> PreparedModel:
         if checkpointing:
             model.gradient_checkpointing_disable()
         prepared = PreparedModel(runtime, calls_sdpa=calls_sdpa, had_checkpointing=checkpointing,
-                                 counts_positions_from_padding=_counts_positions_from_padding(model))
+                                 counts_positions_from_padding=_counts_positions_from_padding(model),
+                                 chunks_by_row=_chunks_by_row(model))
     prepared.attach(model)
     return prepared
 
@@ -220,6 +221,15 @@ def _counts_positions_from_padding(model: nn.Module) -> bool:
     return any(callable(getattr(module, "create_position_ids_from_input_ids", None)) for module in model.modules())
 
 
+def _chunks_by_row(model: nn.Module) -> bool:
+    """Whether transformers, in one process, would place this model's attention chunks by row
+    position across packed documents (releases before `remap_positions_for_packed_sequence`)."""
+    from transformers import masking_utils
+
+    chunked = "chunked_attention" in (getattr(model.config, "layer_types", None) or ())
+    return chunked and not hasattr(masking_utils, "remap_positions_for_packed_sequence")
+
+
 def _head_problems(config, *, sp_size: int, tp_size: int) -> Iterator[str]:
     """Ulysses splits each rank's attention heads over sp ranks: they must divide evenly. (K/V heads
     need not: fewer than sp are replicated, exactly.)"""
@@ -258,8 +268,13 @@ def _reading_packed_documents(original: Callable[..., Any]) -> Callable[..., Any
         if forward is None or not forward.prepared.runtime.cp_active:
             return original(position_ids)
         if forward.documents_from is not None:
-            forward.prepared.runtime.adopt_position_ids(forward.documents_from)
+            packed = forward.prepared.runtime.adopt_position_ids(forward.documents_from)
             forward.documents_from = None
+            if packed and forward.prepared.chunks_by_row:
+                raise CpctlError("this transformers release places a packed row's attention chunks by the row's "
+                                 "positions, across documents, where cpctl places them in each document (as "
+                                 "transformers 5.24 does); upgrade transformers, or pass an all-ones attention_mask "
+                                 "to train across documents")
         return None
 
     return find_packed_sequence_indices
@@ -414,7 +429,8 @@ class PreparedModel:
     """
 
     def __init__(self, runtime: RuntimeView, *, calls_sdpa: bool = False, had_checkpointing: bool = False,
-                 counts_positions_from_padding: bool = False, refusal: str | None = None) -> None:
+                 counts_positions_from_padding: bool = False, chunks_by_row: bool = False,
+                 refusal: str | None = None) -> None:
         self.runtime = runtime
         # It takes no attention implementation but calls SDPA itself (Falcon): under CP it is handed
         # MODEL_CAUSAL_MASK, and its SDPA calls are routed like any other code's.
@@ -427,6 +443,9 @@ class PreparedModel:
         self.counts_positions_from_padding = counts_positions_from_padding
         # At cp_size 1, why it keeps transformers' attention: then refused inside maybe_context_parallel.
         self.refusal = refusal
+        # It has chunked attention layers, and this transformers places chunks by row position in
+        # packed rows (before remap_positions_for_packed_sequence): cpctl places them per document.
+        self.chunks_by_row = chunks_by_row
 
     def attach(self, model: nn.Module) -> None:
         """Put this model's hooks on `model` (the transformers model itself, inside any PEFT wrapper)."""
@@ -493,9 +512,13 @@ class PreparedModel:
             # RoPE must see where each token sits in the whole sequence, not in this shard.
             full = torch.arange(local_len * runtime.seq_size, device=tokens.device).expand(batch, -1)
             kwargs["position_ids"] = runtime.shard(full, seq_dim=1)
-        elif reads_documents and self.calls_sdpa:
-            # it is handed MODEL_CAUSAL_MASK, so its mask function never looks: read them as it would have
-            runtime.adopt_position_ids(position_ids)
+        elif reads_documents and self.calls_sdpa and runtime.adopt_position_ids(position_ids):
+            # It builds the mask it hands SDPA itself, and whether that reads documents from position ids
+            # is its release's choice (Falcon: transformers 5.24 does, 5.17 does not); cpctl cannot see it.
+            raise CpctlError(f"{type(model).__name__} builds its attention mask itself, and whether that keeps "
+                             "packed documents apart depends on the transformers release; say which you mean: "
+                             "maybe_context_parallel(documents=position_ids) for attention inside each document, "
+                             "or an all-ones attention_mask for attention across them")
         elif reads_documents:
             forward.documents_from = position_ids
         if kwargs.get("labels") is not None:

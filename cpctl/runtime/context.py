@@ -283,21 +283,24 @@ class StepContext:
         if self._step is not None:
             self._step.hide_keys(rows)
 
-    def adopt_position_ids(self, position_ids: torch.Tensor) -> None:
+    def adopt_position_ids(self, position_ids: torch.Tensor) -> bool:
         """Sharded position ids that a model is called with: where they restart, documents are packed.
 
         With `maybe_context_parallel(documents=...)` they must agree with it; without, their
-        documents are computed exactly on this step's (head-tail) layout.
+        documents are computed exactly on this step's (head-tail) layout. Returns whether they
+        placed the step's documents (they restart, and nothing had placed them before).
         """
         step = self._step
         if step is None:
-            return  # outside a step there are no documents to keep
+            return False  # outside a step there are no documents to keep
         rows = packing.documents_or_none(packing.starts_per_row(step.unshard(position_ids, seq_dim=-1)))
         if step.documents is None:
             step.documents = rows
-        elif not same_documents(rows or [(0,)], step.documents):
+            return rows is not None
+        if not same_documents(rows or [(0,)], step.documents):
             raise CpctlError("the model's position_ids and maybe_context_parallel(documents=...) place documents "
                              "differently; pass the same position ids to both")
+        return False
 
     # ------------------------------------------------------------------ attention
 
