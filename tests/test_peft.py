@@ -160,3 +160,30 @@ def test_a_trainer_with_a_peft_model_under_cp2_trains_and_saves_as_one_process(t
     saved = load_file(out / "adapters" / "adapter_model.safetensors")
     assert saved.keys() == want.keys() and any("lora_B" in name for name in saved)
     assert max((saved[name] - want[name]).abs().max().item() for name in want) <= TOLERANCE
+
+
+@pytest.mark.full
+def test_a_lora_trainer_with_checkpointing_resumed_from_its_checkpoint_trains_as_uninterrupted(tmp_path: Path) -> None:
+    """A LoRA run's Trainer checkpoint holds its adapters (peft names them as the model without
+    cpctl's checkpoint wrappers has them), and resuming reads them: the steps after the checkpoint
+    and the saved adapters are the uninterrupted one-process run's."""
+    from safetensors.torch import load_file
+
+    trainer = ("--trainer", "--steps", "4", "--checkpointing")
+    one_process = start_python(str(WORKER), str(tmp_path / "plain"), *trainer, cwd=tmp_path)
+    out = tmp_path / "cp2"
+    for step in (("--stop-at", "2"), ("--stop-at", "2", "--resume")):
+        code, stdout, stderr = finish(cpctl(*CP2, "--script-api", "accelerate", str(WORKER), str(out), *trainer,
+                                            *step, tmp_path=tmp_path))
+        assert code == 0, stdout + stderr
+    saved_state = list((out / "run" / "checkpoint-2" / "pytorch_model_fsdp_0").glob("*.distcp"))
+    assert saved_state and sum(path.stat().st_size for path in saved_state) > 1000  # the adapters, not nothing
+    one_process()
+    plain = json.loads((tmp_path / "plain" / "result.json").read_text())["losses"]
+    resumed = json.loads((out / "result.json").read_text())["losses"]  # steps 3 and 4
+    assert len(plain) == 4 and len(resumed) == 2
+    assert all(abs(a - b) <= TOLERANCE for a, b in zip(resumed, plain[2:])), (resumed, plain)
+    want = load_file(tmp_path / "plain" / "adapters" / "adapter_model.safetensors")
+    saved = load_file(out / "adapters" / "adapter_model.safetensors")
+    assert saved.keys() == want.keys()
+    assert max((saved[name] - want[name]).abs().max().item() for name in want) <= TOLERANCE

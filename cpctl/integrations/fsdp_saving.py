@@ -15,7 +15,9 @@ accelerate's FSDP2 on cpctl's route, the Trainer and TRL, which prepare through 
   are gathered, the frozen base stays sharded; rank 0 writes the adapter files;
 * `Trainer.save_model(dir)` (and so its periodic checkpoints and TRL's trainers): the same
   full weights whatever `FSDP_STATE_DICT_TYPE` says, with the Trainer's own extra files
-  (tokenizer, training arguments); the Trainer's sharded resume files are still written beside.
+  (tokenizer, training arguments); the Trainer's sharded resume files are still written beside,
+  under the names of the model without cpctl's checkpoint wrappers (a LoRA run's adapters too:
+  peft matches them by those names), and read back the same way.
 
 Every write goes through cpctl.runtime.saving: all ranks together, into a staging directory
 moved in only when complete, one error line on every rank when it cannot be done.
@@ -25,12 +27,14 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import sys
 from pathlib import Path
 from typing import Any
 
 from cpctl.integrations.patches import PATCHES
 from cpctl.runtime import saving
+from cpctl.upstream import Shape
 
 # Inside rank 0's write: the nested save_pretrained (the Trainer's `_save` calls it) writes as is.
 _writing: contextvars.ContextVar[bool] = contextvars.ContextVar("cpctl_writing", default=False)
@@ -56,6 +60,33 @@ def install() -> None:
         PATCHES.replace(Trainer, "save_model", _saving_full_weights,
                         why="the Trainer under FSDP saves the full model in Hugging Face's format, whatever "
                             "FSDP_STATE_DICT_TYPE says")
+    trainer_module = sys.modules[Trainer.__module__]
+    for name in RESUME_FILES:
+        if hasattr(trainer_module, name) and not PATCHES.is_patched(trainer_module, name):
+            PATCHES.replace(trainer_module, name, _under_unwrapped_names,
+                            why="the Trainer's sharded resume files name what the model without cpctl's "
+                                "checkpoint wrappers has (peft's adapter-only save matches those names)",
+                            needs=Shape(parameters=("model",)))
+
+
+# accelerate's functions the Trainer writes and reads its sharded resume files with (FSDP)
+RESUME_FILES = ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
+
+
+def _under_unwrapped_names(function: Any) -> Any:
+    """`function(..., model=...)` with the model's activation-checkpointing wrappers lifted: its
+    state's names are then the unwrapped model's, the same whether checkpointing is on or not.
+    Through the wrappers, peft's adapter-only state (a LoRA run's checkpoint) matched no name:
+    the Trainer saved no weights and resumed from none, silently."""
+    signature = inspect.signature(function)
+
+    @functools.wraps(function)
+    def lifted(*args, **kwargs):
+        model = signature.bind(*args, **kwargs).arguments["model"]
+        with saving.checkpoint_wrappers_lifted(model):
+            return function(*args, **kwargs)
+
+    return lifted
 
 
 def install_accelerate() -> None:

@@ -83,8 +83,11 @@ class Rows(torch.utils.data.Dataset):
         return {"input_ids": self.ids[index], "labels": self.ids[index].clone()}
 
 
-def trainer_way(out: Path) -> None:
-    """The Trainer with a PEFT model: its logged losses and its save_model (the adapters)."""
+def trainer_way(out: Path, *, steps: int = 2, checkpointing: bool = False, stop_at: int | None = None,
+                resume: bool = False) -> None:
+    """The Trainer with a PEFT model: its logged losses and its save_model (the adapters). With
+    `stop_at`, a checkpoint every `stop_at` steps and training stopped at the first (an interrupted
+    run); `resume` trains on from the latest checkpoint in the same `out`."""
     from transformers import Trainer, TrainerCallback, TrainingArguments
 
     losses: list[float] = []
@@ -94,11 +97,17 @@ def trainer_way(out: Path) -> None:
             if logs and "loss" in logs:
                 losses.append(logs["loss"])
 
-    args = TrainingArguments(output_dir=str(out / "run"), per_device_train_batch_size=1, max_steps=2,
-                             learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1, save_strategy="no",
-                             report_to=[], use_cpu=not torch.cuda.is_available(), seed=0)
+        def on_step_end(self, args, state, control, **kwargs):
+            if stop_at is not None and not resume and state.global_step == stop_at:
+                control.should_save, control.should_training_stop = True, True
+
+    saving = {"save_strategy": "steps", "save_steps": stop_at} if stop_at else {"save_strategy": "no"}
+    args = TrainingArguments(output_dir=str(out / "run"), per_device_train_batch_size=1, max_steps=steps,
+                             learning_rate=1e-2, lr_scheduler_type="constant", logging_steps=1, report_to=[],
+                             use_cpu=not torch.cuda.is_available(), seed=0, gradient_checkpointing=checkpointing,
+                             **saving)
     trainer = Trainer(model=lora(base_model()), args=args, train_dataset=Rows(), callbacks=[KeepLosses()])
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume or None)
     trainer.save_model(str(out / "adapters"))
     if trainer.is_world_process_zero():
         (out / "result.json").write_text(json.dumps({"losses": losses}))
@@ -112,10 +121,15 @@ def main() -> None:
     parser.add_argument("--peft-after-prepare", action="store_true", help="get_peft_model after prepare_model (refused)")
     parser.add_argument("--trainer", action="store_true", help="through a transformers Trainer")
     parser.add_argument("--dropout", type=float, default=0.0, help="peft's lora_dropout")
+    parser.add_argument("--steps", type=int, default=2, help="--trainer: steps in all")
+    parser.add_argument("--checkpointing", action="store_true", help="--trainer: gradient_checkpointing=True")
+    parser.add_argument("--stop-at", type=int, default=None, help="--trainer: save at and stop after this step")
+    parser.add_argument("--resume", action="store_true", help="--trainer: train on from the latest checkpoint")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.trainer:
-        return trainer_way(args.out)
+        return trainer_way(args.out, steps=args.steps, checkpointing=args.checkpointing, stop_at=args.stop_at,
+                           resume=args.resume)
     import contextlib
 
     if args.plain:
