@@ -108,7 +108,8 @@ def arrive_together(what: str) -> None:
         if time.monotonic() > deadline:
             raise CpctlError(f"{what} gathers the sharded weights from every rank, but only {arrived} of {world} "
                              f"ranks called it within {timeout_s:.0f} s: call it on every rank (not under "
-                             "`if rt.is_main:`); rank 0 alone writes the files")
+                             "`if rt.is_main:` or `if accelerator.is_main_process:`, even with a state_dict "
+                             "gathered before); rank 0 alone writes the files")
         time.sleep(0.05)
 
 
