@@ -221,7 +221,8 @@ class Step:
                 "(with its sequence dim) so it is sharded like the other inputs"
             )
         raise CpctlError(f"{name} has sequence length {length}, but this step's sharded buffers have "
-                         f"{sorted(self.seq_lengths.values())} tokens per rank")
+                         f"{sorted(self.seq_lengths.values())} tokens per rank: check buffer_seq_dims (each "
+                         "buffer's dim that holds its tokens: 1 for [batch, seq] inputs)")
 
 
 def _joined(ranges: tuple[tuple[int, int], ...], last: tuple[int, int]) -> tuple[tuple[int, int], ...]:
