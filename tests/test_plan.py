@@ -273,6 +273,26 @@ def test_multihead_attention_is_routed_without_patching_torch() -> None:
     assert torch.allclose(routed, reference)
 
 
+def test_a_shard_mean_cross_entropy_under_cp_is_one_line() -> None:
+    """The shards count different tokens (-100 labels, padding): the mean of their means is not the
+    sequence's. Sums are what rt.token_mean makes the sequence's mean; at cp 1 a mean is the row's."""
+    logits, labels = torch.randn(2 * 8, 10), torch.randint(10, (2 * 8,))  # 2 rows of 8 local tokens
+
+    def engine(*args, **kwargs):
+        raise AssertionError("no attention here")
+
+    with RouteSDPA(engine, cp_size=2, local_tokens=8):
+        F.cross_entropy(logits, labels, reduction="sum")
+        F.cross_entropy(logits, labels, reduction="none")
+        F.cross_entropy(logits[:3], labels[:3])  # not one per token of the rows: a pooled head's loss
+        for mean in (lambda: F.cross_entropy(logits, labels), lambda: F.nll_loss(logits.log_softmax(-1), labels),
+                     lambda: F.cross_entropy(logits, labels, None, True)):  # legacy size_average=True
+            with pytest.raises(CpctlError, match="reduction='mean' inside maybe_context_parallel averages this rank"):
+                mean()
+    with RouteSDPA(engine, cp_size=1, local_tokens=8):
+        F.cross_entropy(logits, labels)
+
+
 def test_strategies_are_one_enum_that_takes_plain_names() -> None:
     assert [s.value for s in Strategy] == ["allgather", "alltoall"]
     assert STRATEGIES[Strategy("alltoall")] is ring and STRATEGIES[Strategy.ALLGATHER] is allgather

@@ -69,8 +69,10 @@ def is_causal_mask(mask: torch.Tensor, q_len: int, k_len: int) -> bool:
 _LOSSES = (F.cross_entropy, F.nll_loss)
 
 
-def _check_loss_lengths(args, kwargs, cp_size: int) -> None:
-    """Sharded logits against unsharded labels: say so, instead of torch's bare shape error."""
+def _check_loss(args, kwargs, cp_size: int, local_tokens: int | None) -> None:
+    """Sharded logits against unsharded labels: say so, instead of torch's bare shape error. And a
+    mean over a shard's tokens (the default reduction): the ranks' shards count different tokens
+    (-100 labels, the last position, padding), so the mean of their means is not the sequence's."""
     logits = args[0] if args else kwargs.get("input")
     target = args[1] if len(args) > 1 else kwargs.get("target")
     if cp_size == 1 or not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor) or logits.dim() < 2:
@@ -81,6 +83,22 @@ def _check_loss_lengths(args, kwargs, cp_size: int) -> None:
             f"the loss got {tokens} logits but {target.numel()} labels under context parallelism ({cp_size} ranks): "
             "the labels are not sharded; add them to maybe_context_parallel's buffers"
         )
+    per_token = local_tokens is not None and target.numel() >= local_tokens and target.numel() % local_tokens == 0
+    if per_token and _reduction(args, kwargs) == "mean":
+        raise CpctlError(
+            "cross_entropy with reduction='mean' inside maybe_context_parallel averages this rank's shard only, "
+            "and the shards count different tokens; take reduction='sum' and rt.token_mean(loss_sum, labels), "
+            "or the model's own .loss"
+        )
+
+
+def _reduction(args, kwargs) -> str:
+    """cross_entropy's and nll_loss's reduction, the legacy size_average/reduce flags read as torch reads them."""
+    size_average = kwargs.get("size_average", args[3] if len(args) > 3 else None)
+    reduce = kwargs.get("reduce", args[5] if len(args) > 5 else None)
+    if size_average is not None or reduce is not None:
+        return torch.nn._reduction.legacy_get_string(size_average, reduce, emit_warning=False)
+    return kwargs.get("reduction", args[6] if len(args) > 6 else "mean")
 
 
 class RouteSDPA(TorchFunctionMode):
@@ -91,18 +109,19 @@ class RouteSDPA(TorchFunctionMode):
     """
 
     def __init__(self, attention: Callable[..., torch.Tensor], *, cp_size: int = 1,
-                 passes_masks: Callable[[], bool] = lambda: False):
+                 passes_masks: Callable[[], bool] = lambda: False, local_tokens: int | None = None):
         super().__init__()
         self.attention = attention
         self.cp_size = cp_size
         self.passes_masks = passes_masks
+        self.local_tokens = local_tokens  # this rank's tokens per row of the step's buffers
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _MHA:
             return self._multi_head_attention(func, args, kwargs)
         if func in _LOSSES:
-            _check_loss_lengths(args, kwargs, self.cp_size)
+            _check_loss(args, kwargs, self.cp_size, self.local_tokens)
         if func is not _SDPA:
             return func(*args, **kwargs)
         call = _bind(args, kwargs)

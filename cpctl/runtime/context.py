@@ -160,7 +160,8 @@ class StepContext:
         self._step, step.row_masks = step, masks
         try:
             with contextlib.ExitStack() as stack:
-                stack.enter_context(RouteSDPA(self.step_attention, cp_size=self.seq_size, passes_masks=self._passes_masks))
+                stack.enter_context(RouteSDPA(self.step_attention, cp_size=self.seq_size, passes_masks=self._passes_masks,
+                                              local_tokens=step.local_length))
                 if self.mesh.seq_enabled:  # at cp_size 1 a model cpctl did not prepare sees the whole sequence
                     stack.enter_context(adapters.unprepared_models_refused())
                 yield
