@@ -221,6 +221,18 @@ def _counts_positions_from_padding(model: nn.Module) -> bool:
     return any(callable(getattr(module, "create_position_ids_from_input_ids", None)) for module in model.modules())
 
 
+def _made_on_the_shard(position_ids: torch.Tensor, runtime: RuntimeView, *, local_len: int) -> bool:
+    """Whether every CP rank holds 0, 1, ..., local_len - 1: `torch.arange` of the shard, a common
+    mistake. Checked where no true layout can look so: ring chunks placed head-tail (the default)
+    without Ulysses, where rank r holds chunks r and 2 cp - 1 - r, so that on every rank at once it
+    would need a document to start at position chunk_len (packing starts each at 0). Collective."""
+    parallelism = runtime.config.parallelism
+    if runtime.seq_size == 1 or runtime.sp_size > 1 or not parallelism.cp_load_balance:
+        return False
+    shard_arange = torch.arange(local_len, device=position_ids.device)
+    return runtime.every_seq_rank(bool((position_ids == shard_arange).all()))
+
+
 def _chunks_by_row(model: nn.Module) -> bool:
     """Whether transformers, in one process, would place this model's attention chunks by row
     position across packed documents (releases before `remap_positions_for_packed_sequence`)."""
@@ -502,6 +514,10 @@ class PreparedModel:
                                  "SDPA, which cpctl cannot route; leave it out")
             kwargs["attention_mask"] = MODEL_CAUSAL_MASK  # its SDPA calls read it as the causal mask
         position_ids = kwargs.get("position_ids")
+        if position_ids is not None and _made_on_the_shard(position_ids, runtime, local_len=local_len):
+            raise CpctlError("position_ids made on the shard: every CP rank passed 0..{} for its own {} tokens; "
+                             "make them for the whole row before sharding (cpctl.position_ids_like(ids) among "
+                             "maybe_context_parallel's buffers), or leave them out".format(local_len - 1, local_len))
         if position_ids is None and self.counts_positions_from_padding:
             if runtime.seq_size > 1:
                 raise CpctlError(f"{type(model).__name__} numbers its tokens from its padding token when position_ids "

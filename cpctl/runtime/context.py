@@ -352,6 +352,12 @@ class StepContext:
             "(cpctl.shift_labels), pass pad_values with -100 for them, or make the length a multiple of "
             f"{step.layout.num_chunks}" if counted else None)
 
+    def every_seq_rank(self, holds: bool) -> bool:
+        """Whether `holds` is true on every rank of this rank's CP group (a collective: all call it)."""
+        flag = torch.tensor([1 if holds else 0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.seq_group)
+        return bool(flag.item())
+
     def raise_together(self, problem: str | None) -> None:
         """Raise on every CP rank if any found `problem` in its own shard.
 
