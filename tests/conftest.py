@@ -14,7 +14,8 @@ Measured 2026-12-03 on 2 idle cores: the quick tier 269-342 s over seven runs (4
 pools, 381-390 s before its share of the numeric matrices, the references run alongside and cached
 bytecode); the full tier 1126 s in the afternoon, and in the evening, when the same machine ran
 ~20% slower, 1399 s before and 1252 s after the processes' fast exit and the merged launches
-(29 minutes before the pools)."""
+(29 minutes before the pools). 2026-12-04, 3374 full-tier tests: the quick tier 248 s, the full
+tier 865-985 s (the machine's speed varies through the day)."""
 
 from __future__ import annotations
 
