@@ -40,6 +40,8 @@ from cpctl.upstream import Shape
 _writing: contextvars.ContextVar[bool] = contextvars.ContextVar("cpctl_writing", default=False)
 # Inside rank 0's write of Accelerator.save_model: the weights it gathered, for its own get_state_dict call.
 _gathered: contextvars.ContextVar[dict | None] = contextvars.ContextVar("cpctl_gathered", default=None)
+# accelerate's functions the Trainer writes and reads its sharded resume files with (FSDP)
+RESUME_FILES = ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
 
 
 def install() -> None:
@@ -68,9 +70,6 @@ def install() -> None:
                                 "checkpoint wrappers has (peft's adapter-only save matches those names)",
                             needs=Shape(parameters=("model",)))
 
-
-# accelerate's functions the Trainer writes and reads its sharded resume files with (FSDP)
-RESUME_FILES = ("save_fsdp_model", "load_fsdp_model", "save_fsdp_optimizer", "load_fsdp_optimizer")
 
 
 def _under_unwrapped_names(function: Any) -> Any:

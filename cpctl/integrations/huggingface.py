@@ -210,7 +210,8 @@ def _position_problems(model: nn.Module) -> Iterator[str]:
     """cpctl hands a model where each token sits in the whole sequence through `position_ids`; a
     forward that takes none (BART-style decoders, Whisper's, MPT, xLSTM) would number a shard's
     tokens from its own start, silently."""
-    if "position_ids" not in inspect.signature(model.forward).parameters:
+    # the class's forward: an instance's may be wrapped with (*args, **kwargs) (accelerate's output casting)
+    if "position_ids" not in inspect.signature(type(model).forward).parameters:
         yield ("its forward takes no position_ids, so it would place each shard's tokens by the shard's own "
                "length (learned, sinusoidal or ALiBi positions, or a recurrence); run it at cp_size 1")
 
@@ -300,7 +301,7 @@ class _Forward:
     """One forward of a prepared model, from its pre-hook to its hook (always called, errors too)."""
 
     prepared: PreparedModel
-    engine_calls_before: int | None = None  # a model that calls SDPA itself, under CP: the engine's count at its start
+    engine_calls_before: int | None = None  # under CP: the engine's count at its start (it must call attention)
     shifted_labels: torch.Tensor | None = None  # set when cpctl makes its loss (this shard's sum) the batch's mean
     # the position ids it was called with, where transformers would read packed documents from them,
     # until its mask function looks for them (_reading_packed_documents)
