@@ -113,9 +113,10 @@ def test_a_save_at_cp2_x_dp_shard2_reloads_as_trained(tmp_path: Path, pools) -> 
 
 
 @pytest.mark.full
-def test_accelerates_two_ways_to_save_reload_as_trained(tmp_path: Path) -> None:
+def test_accelerates_three_ways_to_save_reload_as_trained(tmp_path: Path) -> None:
     out = run_route(tmp_path, "accelerate", *CPU2, "--cp-size", "2")
     assert_reloads_as_trained(out / "unwrapped", out)  # save_pretrained(state_dict=accelerator.get_state_dict(model))
+    assert_reloads_as_trained(out / "main-only", out)  # the same under `if accelerator.is_main_process:`
     trained = torch.load(out / "logits.pt")
     from safetensors.torch import load_file
 
@@ -125,6 +126,19 @@ def test_accelerates_two_ways_to_save_reload_as_trained(tmp_path: Path) -> None:
 
     with torch.no_grad():
         assert (model.eval()(input_ids=PROBE).logits - trained).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.full
+def test_accelerates_save_state_resumes_as_an_uninterrupted_run(tmp_path: Path) -> None:
+    """accelerator.save_state at step 2, load_state in a new launch, steps 3-4: the model an
+    uninterrupted four-step run trains (on the CPU route accelerate once wrote a format it could
+    not load back)."""
+    (tmp_path / "b").mkdir()
+    uninterrupted = start_route(tmp_path / "b", "accelerate", *CPU2, "--cp-size", "2", extra=("--steps", "4"))
+    first = run_route(tmp_path, "accelerate", *CPU2, "--cp-size", "2")
+    assert (first / "state" / "pytorch_model_fsdp_0").is_dir()  # accelerate's FSDP format: sharded
+    resumed = run_route(tmp_path, "accelerate", *CPU2, "--cp-size", "2", extra=("--steps", "4", "--resume"))
+    assert_reloads_as_trained(resumed / "unwrapped", uninterrupted())
 
 
 @pytest.fixture(scope="module")

@@ -279,7 +279,7 @@ def _fsdp_on_cpu() -> None:
     `save_pretrained`. cpctl's own route runs FSDP2 on the CPU with gloo; so does this one: the
     state takes the FSDP plugin on the CPU exactly as it does on a GPU, and accelerate's FSDP2
     preparation (device-agnostic) shards the model over the CPU mesh."""
-    from accelerate.state import AcceleratorState
+    from accelerate.state import AcceleratorState, PartialState
     from accelerate.utils import DistributedType
 
     def fsdp_too(init):
@@ -291,6 +291,9 @@ def _fsdp_on_cpu() -> None:
                 if self._mixed_precision != "no":
                     fsdp_plugin.set_mixed_precision(self._mixed_precision)
                 self.fsdp_plugin = fsdp_plugin
+                # as __init__ ends: every later AcceleratorState() copies the process state's type
+                # over its own, and save_state/load_state would read MULTI_CPU again
+                PartialState._shared_state["distributed_type"] = self.distributed_type
 
         return init_with_fsdp
 

@@ -6,9 +6,10 @@ FULL_STATE_DICT. Here, for a model whose parameters are DTensors (cpctl's `prepa
 accelerate's FSDP2 on cpctl's route, the Trainer and TRL, which prepare through accelerate):
 
 * `PreTrainedModel.save_pretrained(dir)`, called on every rank as accelerate's examples do:
-  the full weights are gathered (or taken from the `state_dict=` the caller gathered, e.g.
-  `accelerator.get_state_dict(model)`), and rank 0 writes what one process would have written,
-  safetensors sharded with an index past `max_shard_size`;
+  the full weights are gathered, and rank 0 writes what one process would have written,
+  safetensors sharded with an index past `max_shard_size`; given whole weights the caller
+  gathered (`state_dict=accelerator.get_state_dict(model)`), rank 0 writes them alone, so the
+  call may also be under `if accelerator.is_main_process:`;
 * `Accelerator.get_state_dict(model)` gathers the full weights to rank 0 (as accelerate's own
   FSDP2 branch means to) and `Accelerator.save_model(model, dir)` writes them once;
 * `peft.PeftModel.save_pretrained(dir)`: only the tensors peft saves (the adapters, any bias)
@@ -137,12 +138,15 @@ def _gathering(save_pretrained: Any) -> Any:
             return save_pretrained(self, save_directory, *args, **kwargs)
         given = kwargs.pop("state_dict", None)
         what = f"{type(self).__name__}.save_pretrained"
+        kwargs["is_main_process"] = True  # rank 0 writes: no one else is asked
         if given is None:
             full = saving.full_state_dict(self, what=what)
-        else:  # gathered by the caller (accelerator.get_state_dict): every rank still comes here
-            saving.arrive_together(what)
+        elif saving.holds_shards(given):  # model.state_dict() of the sharded model
+            full = saving.full_tensors_of(given.items(), what=what)
+        else:  # gathered before (accelerator.get_state_dict): written alone, see _write_gathered
             full = {name.replace(saving.CHECKPOINT_WRAPPER, ""): tensor for name, tensor in given.items()}
-        kwargs["is_main_process"] = True  # rank 0 writes: write_together asks no one else
+            return _write_gathered(self, save_directory, lambda staging, state: save_pretrained(
+                self, staging, *args, state_dict=state, **kwargs), full, what=f"saving the model ({what})")
 
         def write(staging: Path) -> None:
             _write_as_one_process(self, lambda: save_pretrained(self, staging, *args, state_dict=full, **kwargs))
@@ -158,16 +162,20 @@ def _gathering_adapters(save_pretrained: Any) -> Any:
         if _writing.get() or not saving.is_sharded(self):
             return save_pretrained(self, save_directory, *args, **kwargs)
         what = f"{type(self).__name__}.save_pretrained"
-        if kwargs.get("state_dict") is None:
+        given = kwargs.pop("state_dict", None)
+        kwargs["is_main_process"] = True
+        if given is None:
             # What peft's get_peft_model_state_dict picks from: the trainable tensors (the adapters,
             # modules_to_save) and any bias (bias="all"), not the frozen base: it stays sharded.
             trainable = {name for name, param in self.named_parameters() if param.requires_grad}
             kwargs["state_dict"] = saving.full_tensors(
                 self, what=what, select=lambda name, tensor: (name in trainable or "lora_" in name
                                                               or "modules_to_save" in name or name.endswith("bias")))
+        elif saving.holds_shards(given):
+            kwargs["state_dict"] = saving.full_tensors_of(given.items(), what=what)
         else:
-            saving.arrive_together(what)
-        kwargs["is_main_process"] = True
+            return _write_gathered(self, save_directory, lambda staging, state: save_pretrained(
+                self, staging, *args, state_dict=state, **kwargs), given, what=f"saving the adapters ({what})")
 
         def write(staging: Path) -> None:
             _write_as_one_process(self, lambda: save_pretrained(self, staging, *args, **kwargs))
@@ -175,6 +183,18 @@ def _gathering_adapters(save_pretrained: Any) -> Any:
         saving.write_together(save_directory, write, what=f"saving the adapters ({what})")
 
     return save_adapters
+
+
+def _write_gathered(model: Any, save_directory: Any, save: Any, state: dict, *, what: str) -> None:
+    """A state dict gathered before the call (whole tensors: `accelerator.get_state_dict(model)`,
+    the full weights on rank 0 and {} elsewhere) needs no other rank: rank 0 writes it, whether
+    the call is on every rank or under `if accelerator.is_main_process:`, and the others return
+    at once, as transformers' `is_main_process=False` does (wait_for_everyone before reading it
+    back, as there)."""
+    if not saving.is_main_rank():
+        return
+    saving.write_here(save_directory, lambda staging: _write_as_one_process(model, lambda: save(staging, state)),
+                      what=what)
 
 
 def _saving_full_weights(save_model: Any) -> Any:

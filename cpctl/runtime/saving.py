@@ -20,7 +20,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -79,18 +79,37 @@ def full_tensors(model: nn.Module, *, select: Callable[[str, torch.Tensor], bool
     """The full tensors of the parameters and buffers `select` keeps (rank 0's host; {} on other
     ranks), under the unwrapped model's names: a model's adapters without gathering its base.
     Collective, like full_state_dict."""
+    return full_tensors_of(model.state_dict().items(), select=select, what=what)
+
+
+def full_tensors_of(named: Iterable[tuple[str, torch.Tensor]], *, what: str,
+                    select: Callable[[str, torch.Tensor], bool] = lambda name, tensor: True) -> dict[str, torch.Tensor]:
+    """full_tensors over (name, tensor) pairs that every rank lists in the same order (a state dict
+    the caller took from a sharded model)."""
     from torch.distributed.tensor import DTensor
 
     arrive_together(what)
-    main = not dist.is_initialized() or dist.get_rank() == 0
-    gathered: dict[str, torch.Tensor] = {}
-    for name, tensor in model.state_dict().items():  # the same names, in the same order, on every rank
+    main = is_main_rank()
+    whole: dict[str, torch.Tensor] = {}
+    for name, tensor in named:
         if not select(name, tensor):
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         if main:
-            gathered[name.replace(CHECKPOINT_WRAPPER, "")] = full.detach().to("cpu", copy=True)
-    return gathered
+            whole[name.replace(CHECKPOINT_WRAPPER, "")] = full.detach().to("cpu", copy=True)
+    return whole
+
+
+def is_main_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def holds_shards(state_dict: dict[str, torch.Tensor]) -> bool:
+    """Whether a state dict the caller passed still holds shards (DTensors: `model.state_dict()` of
+    a sharded model), which only a gather of every rank makes whole."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(tensor, DTensor) for tensor in state_dict.values())
 
 
 def arrive_together(what: str) -> None:
@@ -108,8 +127,9 @@ def arrive_together(what: str) -> None:
         if time.monotonic() > deadline:
             raise CpctlError(f"{what} gathers the sharded weights from every rank, but only {arrived} of {world} "
                              f"ranks called it within {timeout_s:.0f} s: call it on every rank (not under "
-                             "`if rt.is_main:` or `if accelerator.is_main_process:`, even with a state_dict "
-                             "gathered before); rank 0 alone writes the files")
+                             "`if rt.is_main:` or `if accelerator.is_main_process:`; rank 0 alone writes the "
+                             "files), or gather on every rank first (state_dict = accelerator.get_state_dict("
+                             "model)) and save that state_dict= on rank 0")
         time.sleep(0.05)
 
 
@@ -117,15 +137,7 @@ def write_together(directory: str | os.PathLike, write: Callable[[Path], None], 
     """Rank 0 calls `write(staging)` and moves what it wrote into `directory`; every rank returns
     once the files are in place, or raises the same one-line error (the files there before kept)."""
     directory = Path(directory)
-    problem = None
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        try:
-            _write_atomically(directory, write)
-        except OSError as exc:
-            kept = "the files there before are as they were" if directory.exists() else "nothing was written"
-            problem = f"{what} to {directory}: " + disk.write_failure(exc, exc, directory=directory, kept=kept, size=0)
-        except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it, then it is raised as it was
-            problem = exc
+    problem = _written(directory, write, what=what) if is_main_rank() else None
     if dist.is_initialized() and dist.get_world_size() > 1:
         shared = [problem if problem is None or isinstance(problem, str) else f"rank 0: {disk.first_line(problem)}"]
         dist.broadcast_object_list(shared, src=0)
@@ -137,6 +149,32 @@ def write_together(directory: str | os.PathLike, write: Callable[[Path], None], 
     if problem is not None:
         raise CpctlError(problem)
     return directory
+
+
+def write_here(directory: str | os.PathLike, write: Callable[[Path], None], *, what: str) -> Path:
+    """`write(staging)` moved into `directory` by this rank alone, waiting for no other (weights
+    gathered before: a save under `if accelerator.is_main_process:`); a failure is this rank's
+    one-line error, the files there before kept."""
+    directory = Path(directory)
+    problem = _written(directory, write, what=what)
+    if isinstance(problem, BaseException):
+        raise problem
+    if problem is not None:
+        raise CpctlError(problem)
+    return directory
+
+
+def _written(directory: Path, write: Callable[[Path], None], *, what: str) -> str | BaseException | None:
+    """What went wrong writing `directory` atomically: a disk's failure in words, another error as
+    raised, or None."""
+    try:
+        _write_atomically(directory, write)
+    except OSError as exc:
+        kept = "the files there before are as they were" if directory.exists() else "nothing was written"
+        return f"{what} to {directory}: " + disk.write_failure(exc, exc, directory=directory, kept=kept, size=0)
+    except Exception as exc:  # noqa: BLE001 - the other ranks must hear of it, then it is raised as it was
+        return exc
+    return None
 
 
 def _write_atomically(directory: Path, write: Callable[[Path], None]) -> None:

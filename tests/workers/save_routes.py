@@ -10,7 +10,9 @@ Routes and what each saves (directories under OUT):
   runtime      cpctl.init + rt.prepare_model; model.save_pretrained(model/, max_shard_size=...)
                (`--into DIR` elsewhere; `--main-only` on rank 0 only, the mistake a save must name)
   accelerate   accelerator.save_model(model, model/) and
-               unwrap_model(model).save_pretrained(unwrapped/, state_dict=accelerator.get_state_dict(model))
+               unwrap_model(model).save_pretrained(unwrapped/, state_dict=accelerator.get_state_dict(model));
+               the same state dict saved under `if accelerator.is_main_process:` (main-only/);
+               accelerator.save_state(state/) after step 2; `--steps 4 --resume` load_state(state/), steps 3-4
   trainer      a Trainer with a periodic checkpoint (OUT/run/checkpoint-2); trainer.save_model(model/);
                `--steps 4 --resume` trains on from that checkpoint to step 4
 (TRL's trainers save through the same Trainer.save_model: tests/test_trl.py reloads what its sft script saved.)
@@ -72,14 +74,18 @@ def runtime_route(out: Path, *, into: Path | None, main_only: bool) -> None:
     write_logits(model, out, device=rt.device, main=rt.is_main)
 
 
-def accelerate_route(out: Path) -> None:
+def accelerate_route(out: Path, *, steps: int, resume: bool) -> None:
     from accelerate import Accelerator
 
     accelerator = Accelerator()
     model = tiny_llama()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
-    for ids in rows(STEPS).split(1):
+    if resume:
+        accelerator.load_state(out / "state")
+    for step, ids in enumerate(rows(steps).split(1), start=1):
+        if resume and step <= STEPS:
+            continue  # trained before the state was saved
         ids = ids.to(accelerator.device)
         labels, pos = ids.clone(), torch.arange(SEQ, device=ids.device)[None]
         shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
@@ -89,10 +95,16 @@ def accelerate_route(out: Path) -> None:
             accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
+        if step == STEPS and not resume:
+            accelerator.save_state(out / "state")
     accelerator.save_model(model, out / "model")
     accelerator.unwrap_model(model).save_pretrained(out / "unwrapped", is_main_process=accelerator.is_main_process,
                                                     save_function=accelerator.save,
                                                     state_dict=accelerator.get_state_dict(model))
+    state = accelerator.get_state_dict(model)  # gathered on every rank, saved by the main process alone
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(out / "main-only", state_dict=state)
+    accelerator.wait_for_everyone()
     write_logits(model, out, device=accelerator.device, main=accelerator.is_main_process)
 
 
@@ -123,8 +135,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("route", choices=["runtime", "accelerate", "trainer"])
     parser.add_argument("out", type=Path)
-    parser.add_argument("--steps", type=int, default=STEPS, help="trainer: steps in all (a checkpoint every 2)")
-    parser.add_argument("--resume", action="store_true", help="trainer: train on from the checkpoint at step 2")
+    parser.add_argument("--steps", type=int, default=STEPS, help="trainer, accelerate: steps in all (a checkpoint at 2)")
+    parser.add_argument("--resume", action="store_true", help="trainer, accelerate: train on from the step-2 checkpoint")
     parser.add_argument("--into", type=Path, default=None, help="runtime: save here instead of OUT/model")
     parser.add_argument("--main-only", action="store_true", help="runtime: save under `if rt.is_main:` (a mistake)")
     args = parser.parse_args()
@@ -132,7 +144,7 @@ def main() -> None:
     if args.route == "runtime":
         runtime_route(args.out, into=args.into, main_only=args.main_only)
     elif args.route == "accelerate":
-        accelerate_route(args.out)
+        accelerate_route(args.out, steps=args.steps, resume=args.resume)
     else:
         trainer_route(args.out, steps=args.steps, resume=args.resume)
     print(f"saved on rank {os.environ.get('RANK', '0')}")
