@@ -24,16 +24,11 @@ from typing import Any
 
 from torch import nn
 
+from cpctl.errors import CpctlError
 from cpctl.integrations.patches import PATCHES
 from cpctl.runtime import loading
 from cpctl.runtime.runtime import Runtime
 
-# What building from the config takes as from_pretrained does; any other argument: transformers' own load.
-# (The hub's arguments and the Auto classes' own mark change nothing for a local directory.)
-_PLAIN_ARGUMENTS = {"attn_implementation", "dtype", "torch_dtype", "config", "trust_remote_code", "revision",
-                    "low_cpu_mem_usage", "use_safetensors", "_from_auto", "cache_dir", "local_files_only",
-                    "force_download", "proxies", "token",
-                    "adapter_kwargs"}  # the hub's arguments for an adapter, which a directory without one ignores
 _sent_from_rank0: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models whose weights rank 0 sends
 # This rank's models with placeholder parameters, and the hook that refuses to run them until filled.
 _empty: weakref.WeakKeyDictionary[nn.Module, Any] = weakref.WeakKeyDictionary()
@@ -54,17 +49,15 @@ def _reading_once(from_pretrained: Any, runtime: Runtime) -> Any:
     @functools.wraps(from_pretrained)
     def read_once(cls, pretrained_model_name_or_path, *args, **kwargs):
         path = Path(str(pretrained_model_name_or_path))
-        # None and {} are absent: TRL passes device_map=None, the Auto classes adapter_kwargs={}
-        given = {k: v for k, v in kwargs.items() if v is not None and not (isinstance(v, dict) and not v)}
+        given = loading.present(kwargs)
         local = path.is_dir() and any(path.glob("*.safetensors")) and not (path / "adapter_config.json").exists()
-        config = _config_with(given, path) if local and not args else None
-        if config is None:
+        if not local or args or loading.config_with(given, path) is None:
             return from_pretrained(cls, pretrained_model_name_or_path, *args, **kwargs)
         if runtime.rank == 0:
             model = from_pretrained(cls, pretrained_model_name_or_path, **kwargs)
+            _check_tied_as_configured(model, cls, path, given)
         else:
-            build = {k: v for k, v in given.items() if k in ("attn_implementation", "dtype", "torch_dtype")}
-            model, _ = loading.build_on_meta(cls, path, config=config, **build)
+            model, _ = loading.build_on_meta(cls, path, **given)
             loading.materialize(model, device="cpu")  # empty: the pages are touched only by what rank 0 sends
             model.eval()  # as from_pretrained returns it
             _empty[model] = model.register_forward_pre_hook(_refuse_before_prepare)
@@ -74,22 +67,16 @@ def _reading_once(from_pretrained: Any, runtime: Runtime) -> Any:
     return read_once
 
 
-def _config_with(given: dict[str, Any], path: Path) -> Any:
-    """The config from_pretrained would build with `given` (its own arguments, and overrides of
-    config attributes such as use_cache), or None where an argument is neither."""
-    import copy
-
-    from transformers import AutoConfig
-
-    overrides = {k: v for k, v in given.items() if k not in _PLAIN_ARGUMENTS}
-    config = given.get("config") or AutoConfig.from_pretrained(
-        path, **{k: v for k, v in given.items() if k in ("trust_remote_code", "revision")})
-    if any(not hasattr(config, name) for name in overrides):
-        return None
-    config = copy.deepcopy(config)
-    for name, value in overrides.items():
-        setattr(config, name, value)
-    return config
+def _check_tied_as_configured(model: nn.Module, cls: Any, path: Path, given: dict[str, Any]) -> None:
+    """The other ranks build the model from its config, ties included, and accelerate ties it again
+    before sending the weights; transformers leaves a tie undone where the checkpoint holds both
+    copies with different values. Such a model is not its config's: one line, on rank 0."""
+    configured, _ = loading.build_on_meta(cls, path, **given)
+    loaded = loading.tied_names(model)
+    for names in loading.tied_names(configured):
+        if not any(names <= group for group in loaded):
+            first, other = sorted(names)[:2]
+            raise CpctlError(loading.untied_message(f"{cls.__name__}.from_pretrained({str(path)!r})", first, other))
 
 
 def sends_from_rank0(model: nn.Module) -> bool:
@@ -121,8 +108,6 @@ def _loaded(model: nn.Module) -> nn.Module:
 
 
 def _refuse_before_prepare(module: nn.Module, args: tuple) -> None:
-    from cpctl.errors import CpctlError
-
     raise CpctlError(f"{type(module).__name__} was loaded with from_pretrained, which under cpctl launch reads a "
                      "checkpoint on rank 0 only: this rank holds no weights until accelerator.prepare (or the "
                      "Trainer) sends them; pass the model to accelerator.prepare before calling it")

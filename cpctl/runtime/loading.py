@@ -25,24 +25,64 @@ from torch import nn
 from cpctl.errors import CpctlError
 
 
-def build_on_meta(model_class: Any, path: str | os.PathLike, **kwargs: Any) -> tuple[nn.Module, list[set[str]]]:
-    """The model of the checkpoint at `path` with meta parameters, and its groups of tied names."""
-    from transformers import AutoConfig
+# from_pretrained's arguments that building from the config takes as from_pretrained does
+BUILD_ARGUMENTS = ("attn_implementation", "dtype", "torch_dtype")
+# ... that choose the config (read by AutoConfig), and that change nothing for a local directory
+# (the hub's, the Auto classes' own mark, an adapter's hub arguments that a directory without one ignores)
+CONFIG_ARGUMENTS = ("trust_remote_code", "revision")
+IGNORED_ARGUMENTS = ("low_cpu_mem_usage", "use_safetensors", "_from_auto", "cache_dir", "local_files_only",
+                     "force_download", "proxies", "token", "adapter_kwargs")
 
+
+def build_on_meta(model_class: Any, path: str | os.PathLike, **kwargs: Any) -> tuple[nn.Module, list[set[str]]]:
+    """The model of the checkpoint at `path` with meta parameters, and its groups of tied names;
+    `kwargs` as from_pretrained takes them (a config attribute's override among them)."""
     directory = Path(path)
     if not directory.is_dir() or not any(directory.glob("*.safetensors")):
         raise CpctlError(f"rt.from_pretrained({str(path)!r}): not a local directory with .safetensors files; "
                          "download the checkpoint first (e.g. `hf download NAME --local-dir DIR`), or convert "
                          "pickled weights with save_pretrained")
-    config_keys = {"trust_remote_code", "revision"}
-    config = kwargs.pop("config", None) or AutoConfig.from_pretrained(
-        directory, **{k: v for k, v in kwargs.items() if k in config_keys})
-    if kwargs.get("dtype", kwargs.get("torch_dtype")) == "auto":  # the checkpoint's: the config's own
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("dtype", "torch_dtype")}
+    kwargs = present(kwargs)
+    config = config_with(kwargs, directory)
+    if config is None:
+        unknown = sorted(set(kwargs) - {*BUILD_ARGUMENTS, *CONFIG_ARGUMENTS, *IGNORED_ARGUMENTS, "config"})
+        raise CpctlError(f"rt.from_pretrained({str(path)!r}): {', '.join(unknown)} is neither an argument it takes "
+                         f"({', '.join(BUILD_ARGUMENTS)}, config, ...) nor an attribute of the model's config; load with "
+                         "from_pretrained on every rank, then rt.prepare_model")
+    build_kwargs = {k: v for k, v in kwargs.items() if k in BUILD_ARGUMENTS}
+    if build_kwargs.get("dtype", build_kwargs.get("torch_dtype")) == "auto":  # the checkpoint's: the config's own
+        build_kwargs = {k: v for k, v in build_kwargs.items() if k not in ("dtype", "torch_dtype")}
     build = model_class.from_config if hasattr(model_class, "from_config") else model_class._from_config
     with parameters_on_meta():
-        model = build(config, **{k: v for k, v in kwargs.items() if k not in config_keys})
+        model = build(config, **build_kwargs)
     return model, tied_names(model)
+
+
+def present(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """from_pretrained's arguments without those given as None or {}, which mean absent (TRL passes
+    device_map=None, the Auto classes adapter_kwargs={})."""
+    return {k: v for k, v in kwargs.items() if v is not None and not (isinstance(v, dict) and not v)}
+
+
+def config_with(given: dict[str, Any], path: Path) -> Any:
+    """The config from_pretrained(path, **given) builds: `config=` or the directory's, with the
+    overrides of config attributes among `given` (e.g. use_cache=False); None where an argument is
+    none of these."""
+    import copy
+
+    from transformers import AutoConfig
+
+    overrides = {k: v for k, v in given.items()
+                 if k not in (*BUILD_ARGUMENTS, *CONFIG_ARGUMENTS, *IGNORED_ARGUMENTS, "config")}
+    config = given.get("config") or AutoConfig.from_pretrained(
+        path, **{k: v for k, v in given.items() if k in CONFIG_ARGUMENTS})
+    if any(not hasattr(config, name) for name in overrides):
+        return None
+    if overrides:
+        config = copy.deepcopy(config)
+        for name, value in overrides.items():
+            setattr(config, name, value)
+    return config
 
 
 @contextlib.contextmanager
@@ -99,7 +139,12 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, device: torch.dev
     state = get_model_state_dict(model)
     _check_names(set(state), stored, tied=tied, buffers=buffers, path=path)
     state = {name: tensor for name, tensor in state.items() if name in stored}
+    copies = _stored_copies(state, tied)
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    _check_copies_equal(state, copies, path=path)
+    for names in copies.values():
+        for name in names:
+            del state[name]
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     if hasattr(model, "tie_weights"):
         model.tie_weights()
@@ -116,6 +161,47 @@ def materialize(model: nn.Module, *, device: torch.device | str) -> set[str]:
     if hasattr(model, "tie_weights"):  # to_empty gives each name its own tensor
         model.tie_weights()
     return set(buffers)
+
+
+def _stored_copies(state: dict[str, torch.Tensor], tied: list[set[str]]) -> dict[str, list[str]]:
+    """A tied group's names that the checkpoint stores more than once: each copy after the first
+    gets its own tensor in `state` (read, compared, then dropped). {first name: other names}."""
+    copies = {}
+    for names in tied:
+        held = sorted(name for name in names if name in state)
+        if len(held) > 1:
+            copies[held[0]] = held[1:]
+            for name in held[1:]:
+                state[name] = torch.empty_like(state[held[0]])
+    return copies
+
+
+def _check_copies_equal(state: dict[str, torch.Tensor], copies: dict[str, list[str]], *, path: Any) -> None:
+    """transformers ties a group the checkpoint stores twice only where the copies are equal (a
+    checkpoint saved with torch.save holds both); different copies mean a config that ties what the
+    checkpoint does not, and one tensor would silently get the last copy read."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    if not copies:
+        return
+    def local(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    differ = [(first, other) for first, others in copies.items() for other in others
+              if not torch.equal(local(state[first]), local(state[other]))]
+    anywhere = torch.tensor([len(differ)], device=local(state[next(iter(copies))]).device)
+    if dist.is_initialized():
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+    if anywhere.item():
+        first, other = differ[0] if differ else next((f, o[0]) for f, o in copies.items())
+        raise CpctlError(untied_message(f"rt.from_pretrained({str(path)!r})", first, other))
+
+
+def untied_message(call: str, first: str, other: str) -> str:
+    return (f"{call}: the model's config ties {first} to {other}, but the checkpoint holds both with different "
+            "values (transformers would leave them untied, a model other than the config's); load it with "
+            "the config the checkpoint was saved with (e.g. tie_word_embeddings=False)")
 
 
 def _check_names(wanted: set[str], stored: set[str], *, tied: list[set[str]], buffers: set[str], path: Any) -> None:

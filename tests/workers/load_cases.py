@@ -63,11 +63,12 @@ def train(rt, model: torch.nn.Module) -> list[float]:
     return losses
 
 
-def accelerate_way(checkpoint: Path, out: Path, *, call_before_prepare: bool = False) -> None:
+def accelerate_way(checkpoint: Path, out: Path, *, call_before_prepare: bool = False, tie: bool = False) -> None:
     from accelerate import Accelerator
 
     accelerator = Accelerator()
-    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, attn_implementation="sdpa",
+                                                 **({"tie_word_embeddings": True} if tie else {}))
     if call_before_prepare:  # the mistake: rank 1 holds no weights yet
         model(input_ids=torch.zeros(1, SEQ, dtype=torch.long))
     stored = stored_weights(checkpoint)  # from the files: from_pretrained on rank 1 would read nothing
@@ -124,12 +125,14 @@ def main() -> None:
     parser.add_argument("--tied", action="store_true")
     parser.add_argument("--accelerate", action="store_true")
     parser.add_argument("--call-before-prepare", action="store_true", help="--accelerate: call the model first")
+    parser.add_argument("--tie-word-embeddings", action="store_true", help="--accelerate: load with the head tied")
     args = parser.parse_args()
     if args.write_checkpoint:
         write_checkpoint(args.checkpoint, tied=args.tied)
         return
     if args.accelerate:
-        accelerate_way(args.checkpoint, args.out, call_before_prepare=args.call_before_prepare)
+        accelerate_way(args.checkpoint, args.out, call_before_prepare=args.call_before_prepare,
+                       tie=args.tie_word_embeddings)
         return
     import cpctl
 
