@@ -128,6 +128,7 @@ def test_evaluating_before_training_is_accelerates_one_line_as_on_gpus(tmp_path:
 
 @pytest.mark.full
 def test_a_model_prepared_twice_is_adopted_once(tmp_path: Path) -> None:
+    """prepare(model, optimizer), then prepare_model(model) again: cpctl prepares it once."""
     script = tmp_path / "twice.py"
     script.write_text(
         "import copy, sys, torch\n"
@@ -141,7 +142,7 @@ def test_a_model_prepared_twice_is_adopted_once(tmp_path: Path) -> None:
         "want = copy.deepcopy(model)(input_ids=ids, labels=ids).loss.item()\n"
         "accelerator = Accelerator(parallelism_config=ParallelismConfig())\n"
         "model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))\n"
-        "model = accelerator.prepare(model)\n"
+        "model = accelerator.prepare_model(model)\n"  # as the Trainer does to evaluate (prepare(model) alone: accelerate's FSDP2 refuses)
         "labels = ids.clone()\n"
         "with accelerator.maybe_context_parallel(buffers=[ids, labels], buffer_seq_dims=[1, 1],\n"
         "                                        no_restore_buffers={ids, labels}):\n"
