@@ -328,8 +328,8 @@ def test_a_model_compiled_before_prepare_model_is_one_line_naming_the_order(tmp_
 @pytest.mark.full
 def test_a_model_compiled_after_prepare_model_trains_as_uncompiled_without_dynamo_warnings(tmp_path: Path,
                                                                                           pools) -> None:
-    """cpctl's engine runs as it is under torch.compile (a graph break around attention): dynamo no
-    longer traces its cached kernel checks (its 'silent incorrectness' warning on every rank). The
+    """cpctl's engine and its model hooks run as they are under torch.compile (graph breaks around
+    them): dynamo traces neither its cached kernel checks nor its hooks' collectives, and warns of nothing. The
     compiled run is a real launch (its ranks' output is read); the eager one runs in the pool."""
     worker = REPO / "tests" / "workers" / "compiled_case.py"
     compiled_run = started(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", str(worker),
@@ -339,4 +339,6 @@ def test_a_model_compiled_after_prepare_model_trains_as_uncompiled_without_dynam
     assert code == 0, stdout + stderr
     eager, compiled = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("eager", "compiled"))
     assert len(set(eager)) == 2 and all(abs(a - b) <= 1e-5 for a, b in zip(compiled, eager)), (compiled, eager)
-    assert "lru_cache" not in stderr, stderr
+    # no dynamo warning: not its kernel checks' (lru_cache), not a graph break in cpctl's hooks,
+    # not the global hook cpctl holds inside the step
+    assert not [word for word in ("lru_cache", "Graph break", "global hooks") if word in stderr], stderr

@@ -48,6 +48,7 @@ import contextlib
 import inspect
 import logging
 import sys
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -316,6 +317,9 @@ _RUNNING: list[_Forward] = []
 _LAYER_OWNER: weakref.WeakKeyDictionary[nn.Module, PreparedModel] = weakref.WeakKeyDictionary()
 
 
+# What torch.compile's OptimizedModule says when a global module hook is registered (its start).
+_COMPILE_GLOBAL_HOOK_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
 # The pre-hooks of prepared models (a deep copy of a model carries the same functions).
 _PREPARED_HOOKS: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -341,10 +345,16 @@ def unprepared_models_refused() -> Iterator[None]:
                          "around it), or call it outside the context")
 
     handle = torch.nn.modules.module.register_module_forward_pre_hook(refuse_unprepared)
+    # torch.compile's wrapper warns of any global hook (it runs once more, for the wrapper); this
+    # one returns at once for a module that is not a transformers model: said for nothing
+    warnings.filterwarnings("ignore", message=_COMPILE_GLOBAL_HOOK_WARNING)
+    quiet = warnings.filters[0]
     try:
         yield
     finally:
         handle.remove()
+        with contextlib.suppress(ValueError):  # an "ignore" filter left no trace in any once-registry
+            warnings.filters.remove(quiet)
 
 
 def _routing_runtime(layer: nn.Module | None = None) -> RuntimeView | None:
@@ -467,11 +477,14 @@ class PreparedModel:
             _PREPARED_HOOKS.add(hook)
             model.register_forward_pre_hook(hook)
             return
-        hook = lambda module, args, kwargs: self._before_forward(module, args, kwargs)  # noqa: E731
+        # Python checks and bookkeeping, run as they are under torch.compile (dynamo would trace the
+        # checks' collectives and .item() calls, and warn of the graph breaks they make)
+        hook = torch.compiler.disable(lambda module, args, kwargs: self._before_forward(module, args, kwargs))
         _PREPARED_HOOKS.add(hook)
         model.register_forward_pre_hook(hook, with_kwargs=True)
         # Always called, errors too: it ends the _Forward the pre-hook began.
-        model.register_forward_hook(lambda module, args, output: self._after_forward(module, output), always_call=True)
+        after = torch.compiler.disable(lambda module, args, output: self._after_forward(module, output))
+        model.register_forward_hook(after, always_call=True)
 
     def _refuse_inside(self) -> None:
         if self.runtime.cp_active:
