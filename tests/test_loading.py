@@ -155,14 +155,19 @@ def test_an_accelerate_script_reads_the_checkpoint_on_rank_0_only_and_trains_as_
         assert abs(got - want) <= TOLERANCE
 
 
-@pytest.mark.full
-def test_a_model_called_before_accelerate_sends_its_weights_is_one_line(tmp_path: Path, pools) -> None:
+def accelerate_mistake(tmp_path: Path, pools: Pools, *, tied: bool, mistake: str) -> str:
+    """The one error line of the accelerate way at cp 2 with `mistake` (a load_cases.py flag)."""
     code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api",
-                                        "accelerate", str(WORKER), str(checkpoint(tmp_path, pools, tied=True)),
-                                        str(tmp_path / "out.json"), "--accelerate", "--call-before-prepare",
-                                        tmp_path=tmp_path))
+                                        "accelerate", str(WORKER), str(checkpoint(tmp_path, pools, tied=tied)),
+                                        str(tmp_path / "out.json"), "--accelerate", mistake, tmp_path=tmp_path))
     assert code == 1, stdout + stderr
     (line,) = error_lines(stderr)
+    return line
+
+
+@pytest.mark.full
+def test_a_model_called_before_accelerate_sends_its_weights_is_one_line(tmp_path: Path, pools) -> None:
+    line = accelerate_mistake(tmp_path, pools, tied=True, mistake="--call-before-prepare")
     assert "rank 1" in line and "reads a checkpoint on rank 0 only" in line and "accelerator.prepare" in line, line
 
 
@@ -171,12 +176,7 @@ def test_an_accelerate_script_tying_what_the_checkpoint_holds_as_two_weights_is_
                                                                                          pools) -> None:
     """Rank 1 builds the config's model, tie included, and accelerate ties it again: accelerate's
     own "FSDP2 mapping failed" at prepare before; now rank 0's line, at from_pretrained."""
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "--script-api",
-                                        "accelerate", str(WORKER), str(checkpoint(tmp_path, pools, tied=False)),
-                                        str(tmp_path / "out.json"), "--accelerate", "--tie-word-embeddings",
-                                        tmp_path=tmp_path))
-    assert code == 1, stdout + stderr
-    (line,) = error_lines(stderr)
+    line = accelerate_mistake(tmp_path, pools, tied=False, mistake="--tie-word-embeddings")
     assert "rank 0" in line and "LlamaForCausalLM.from_pretrained(" in line and "tie_word_embeddings=False" in line, line
 
 
