@@ -144,9 +144,8 @@ def _gathering(save_pretrained: Any) -> Any:
         elif saving.holds_shards(given):  # model.state_dict() of the sharded model
             full = saving.full_tensors_of(given.items(), what=what)
         else:  # gathered before (accelerator.get_state_dict): written alone, see _write_gathered
-            full = {name.replace(saving.CHECKPOINT_WRAPPER, ""): tensor for name, tensor in given.items()}
             return _write_gathered(self, save_directory, lambda staging, state: save_pretrained(
-                self, staging, *args, state_dict=state, **kwargs), full, what=f"saving the model ({what})")
+                self, staging, *args, state_dict=state, **kwargs), given, what=f"saving the model ({what})")
 
         def write(staging: Path) -> None:
             _write_as_one_process(self, lambda: save_pretrained(self, staging, *args, state_dict=full, **kwargs))
@@ -193,6 +192,7 @@ def _write_gathered(model: Any, save_directory: Any, save: Any, state: dict, *, 
     back, as there)."""
     if not saving.is_main_rank():
         return
+    state = {name.replace(saving.CHECKPOINT_WRAPPER, ""): tensor for name, tensor in state.items()}
     saving.write_here(save_directory, lambda staging: _write_as_one_process(model, lambda: save(staging, state)),
                       what=what)
 

@@ -347,14 +347,17 @@ def unprepared_models_refused() -> Iterator[None]:
     handle = torch.nn.modules.module.register_module_forward_pre_hook(refuse_unprepared)
     # torch.compile's wrapper warns of any global hook (it runs once more, for the wrapper); this
     # one returns at once for a module that is not a transformers model: said for nothing
+    before = list(warnings.filters)
     warnings.filterwarnings("ignore", message=_COMPILE_GLOBAL_HOOK_WARNING)
     quiet = warnings.filters[0]
+    added = quiet not in before  # the same filter already there (a step inside a step, the user's) stays
     try:
         yield
     finally:
         handle.remove()
-        with contextlib.suppress(ValueError):  # an "ignore" filter left no trace in any once-registry
-            warnings.filters.remove(quiet)
+        if added:
+            with contextlib.suppress(ValueError):  # an "ignore" filter left no trace in any once-registry
+                warnings.filters.remove(quiet)
 
 
 def _routing_runtime(layer: nn.Module | None = None) -> RuntimeView | None:

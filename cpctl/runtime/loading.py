@@ -141,7 +141,7 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, device: torch.dev
     state = {name: tensor for name, tensor in state.items() if name in stored}
     copies = _stored_copies(state, tied)
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
-    _check_copies_equal(state, copies, path=path)
+    _check_copies_equal(state, copies, device=device, path=path)
     for names in copies.values():
         for name in names:
             del state[name]
@@ -176,21 +176,24 @@ def _stored_copies(state: dict[str, torch.Tensor], tied: list[set[str]]) -> dict
     return copies
 
 
-def _check_copies_equal(state: dict[str, torch.Tensor], copies: dict[str, list[str]], *, path: Any) -> None:
+def _check_copies_equal(state: dict[str, torch.Tensor], copies: dict[str, list[str]], *,
+                        device: torch.device, path: Any) -> None:
     """transformers ties a group the checkpoint stores twice only where the copies are equal (a
     checkpoint saved with torch.save holds both); different copies mean a config that ties what the
-    checkpoint does not, and one tensor would silently get the last copy read."""
+    checkpoint does not, and one tensor would silently get the last copy read. Each rank compares
+    its shards; `device` is where the process group's backend takes the verdict."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor
 
     if not copies:
         return
+
     def local(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
     differ = [(first, other) for first, others in copies.items() for other in others
               if not torch.equal(local(state[first]), local(state[other]))]
-    anywhere = torch.tensor([len(differ)], device=local(state[next(iter(copies))]).device)
+    anywhere = torch.tensor([len(differ)], device=device)
     if dist.is_initialized():
         dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
     if anywhere.item():
