@@ -4,7 +4,9 @@ scripts/accelerate_cp.py is the loop of accelerate's context-parallelism guide (
 that reads its sizes from the environment, FSDP2 through `prepare`, the script's own
 `shift_labels`, each step inside `accelerator.maybe_context_parallel`). Launched with cp 2 on
 cpctl's engine (CPU, gloo) its per-step losses must be the one-process losses; a run with lr 0
-shows those losses move far more than the tolerance, so a wrong gradient could not match.
+shows those losses move far more than the tolerance, so a wrong gradient could not match. The
+layouts run in the session's pools (tests/pool.py: accelerate's variables and cpctl's shim as the
+launcher gives them); accelerate's own command line, and the docs' loop, are real launches.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import pytest
 import yaml
 from launching import (REPO, TIMEOUT, cpctl, finish, launch_env, launch_once, plain_losses, probed, probed_env,
                        start_plain, started, tiered)
+from pool import Pools
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -58,23 +61,29 @@ def plain_run(tmp: Path, *extra: str) -> list[float]:
     return plain_losses(SCRIPT, *ARGS, *extra, tmp_path=tmp)["losses"]
 
 
-def launch_layout(tmp: Path, layout: str, *, references: Callable[..., Callable[[], dict]]) -> dict:
+def launch_layout(tmp: Path, layout: str, *, references: Callable[..., Callable[[], dict]], pools: Pools) -> dict:
+    """The layout's run: in the session's pool of its process count (tests/pool.py: the profile and
+    the route `cpctl launch` would give it), or, for accelerate's own command line, a real launch."""
     flags, script_args, *launched_only = LAYOUTS[layout]  # launched_only: not for the one-process reference
     reference = references(*script_args)  # started beside the first layout that needs it
     out = tmp / "losses.json"
-    code, stdout, stderr = finish(cpctl(*flags, str(SCRIPT), *ARGS, *script_args, *(launched_only or [()])[0],
-                                        "--losses-out", str(out), tmp_path=tmp))
-    if code != 0 or not out.exists():
-        pytest.fail(f"cpctl launch {layout} exited {code}:\n{stdout}\n{stderr}")
-    return {"run": json.loads(out.read_text()), "reference": reference()["losses"], "stderr": stderr}
+    args = (*ARGS, *script_args, *(launched_only or [()])[0], "--losses-out", str(out))
+    if "--script-api" in flags:
+        pools.run(SCRIPT, *args, flags=flags, cwd=tmp)
+    else:
+        code, stdout, stderr = finish(cpctl(*flags, str(SCRIPT), *args, tmp_path=tmp))
+        if code != 0 or not out.exists():
+            pytest.fail(f"cpctl launch {layout} exited {code}:\n{stdout}\n{stderr}")
+    return {"run": json.loads(out.read_text()), "reference": reference()["losses"]}
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory: pytest.TempPathFactory):
+def launched(tmp_path_factory: pytest.TempPathFactory, pools: Pools):
     # one one-process reference per script arguments: most layouts are compared with the same run
     references = launch_once(tmp_path_factory, "reference",
                              lambda tmp, *args: functools.cache(start_plain(SCRIPT, *ARGS, *args, tmp_path=tmp)))
-    return launch_once(tmp_path_factory, "accelerate", functools.partial(launch_layout, references=references))
+    return launch_once(tmp_path_factory, "accelerate",
+                       functools.partial(launch_layout, references=references, pools=pools))
 
 
 # the guide's loop in both tiers with Ulysses under accelerate's prepare on 2 processes (the docs
@@ -98,15 +107,14 @@ def test_the_reference_trains(launched, tmp_path: Path) -> None:
 
 
 @pytest.mark.full  # run_clm's Trainer runs in the quick tier (test_trainer.py)
-def test_a_trainer_under_cp_gives_the_one_process_losses(tmp_path: Path) -> None:
+def test_a_trainer_under_cp_gives_the_one_process_losses(tmp_path: Path, pools: Pools) -> None:
     """The transformers Trainer shards through accelerator.maybe_context_parallel (cpctl's engine
     here) and normalizes the loss by its own global token count, which cpctl checks."""
     plain = tmp_path / "plain"
     plain.mkdir()
     reference = start_plain(TRAINER, tmp_path=plain)
     out = tmp_path / "cp.json"
-    code, stdout, stderr = finish(cpctl(*CP2, str(TRAINER), "--losses-out", str(out), tmp_path=tmp_path))
-    assert code == 0, stdout + stderr
+    pools.run(TRAINER, "--losses-out", str(out), flags=CP2, cwd=tmp_path)
     run = json.loads(out.read_text())
     one_process = reference()
     reference = one_process["losses"]
@@ -118,16 +126,18 @@ def test_a_trainer_under_cp_gives_the_one_process_losses(tmp_path: Path) -> None
 
 
 @pytest.mark.full
-def test_evaluating_before_training_is_accelerates_one_line_as_on_gpus(tmp_path: Path) -> None:
+def test_evaluating_before_training_is_accelerates_one_line_as_on_gpus(tmp_path: Path, pools: Pools) -> None:
     """On the CPU the model is FSDP2's, as on GPUs, and transformers' evaluate() before train()
-    then meets accelerate's own FSDP2 rule: one line, the same on a laptop and on GPUs."""
-    code, out, err = finish(cpctl(*CP2, str(TRAINER), "--evaluate-first", tmp_path=tmp_path))
-    assert code == 1, out + err
-    assert "When using FSDP2, a model and optimizer must be passed together" in err and "Traceback" not in err
+    then meets accelerate's own FSDP2 rule on every rank (which the launcher shows as one line,
+    test_launch.py), the same on a laptop and on GPUs."""
+    outcome = pools[2].attempt(TRAINER, "--evaluate-first", flags=CP2, cwd=tmp_path)
+    last_lines = [(failure or "").strip().splitlines()[-1:] for failure in outcome.failures]
+    assert all(line and line[0].startswith("ValueError: When using FSDP2, a model and optimizer must be passed together")
+               for line in last_lines), outcome.report() or "the job did not fail"
 
 
 @pytest.mark.full
-def test_a_model_prepared_twice_is_adopted_once(tmp_path: Path) -> None:
+def test_a_model_prepared_twice_is_adopted_once(tmp_path: Path, pools: Pools) -> None:
     """prepare(model, optimizer), then prepare_model(model) again: cpctl prepares it once."""
     script = tmp_path / "twice.py"
     script.write_text(
@@ -150,9 +160,8 @@ def test_a_model_prepared_twice_is_adopted_once(tmp_path: Path) -> None:
         "    accelerator.backward(got)\n"
         "assert abs(got.item() - want) < 1e-5, (got.item(), want)\n"
         "accelerator.print('same loss', got.item())\n")
-    code, out, err = finish(cpctl(*CP2, str(script), tmp_path=tmp_path))
-    assert code == 0, out + err
-    assert "same loss" in out
+    printed = pools.run(script, flags=CP2, cwd=tmp_path)
+    assert "same loss" in printed[0]
 
 
 def test_the_dry_run_shows_what_accelerate_is_told(tmp_path: Path) -> None:
@@ -179,16 +188,14 @@ SET_TWICE = {
 
 @pytest.mark.full
 @pytest.mark.parametrize("case", SET_TWICE)
-def test_what_the_script_and_the_launch_both_set_must_agree(tmp_path: Path, case: str) -> None:
+def test_what_the_script_and_the_launch_both_set_must_agree(tmp_path: Path, pools: Pools, case: str) -> None:
     built, message = SET_TWICE[case]
     script = tmp_path / "own_sizes.py"
     script.write_text("from accelerate import Accelerator\n"
                       "from accelerate.utils import ParallelismConfig, TorchContextParallelConfig\n"
                       f"Accelerator(parallelism_config={built})\n")
-    code, out, err = finish(cpctl(*CP2, str(script), tmp_path=tmp_path))
-    assert code == 1, out + err
-    assert message in err and "in one place" in err.split(message)[1]
-    assert "Traceback" not in err
+    for line in pools[2].attempt(script, flags=CP2, cwd=tmp_path).refusals():
+        assert message in line and "in one place" in line.split(message)[1], line
 
 
 @pytest.mark.full
@@ -336,15 +343,13 @@ with accelerator.maybe_context_parallel(
 
 
 @pytest.mark.full
-def test_the_guides_snippet_is_one_line(tmp_path: Path) -> None:
-    """accelerate's guide names labels in no_restore_buffers without sharding them: one line naming
-    the fix."""
+def test_the_guides_snippet_is_one_line(tmp_path: Path, pools: Pools) -> None:
+    """accelerate's guide names labels in no_restore_buffers without sharding them: refused on
+    every rank, naming the fix."""
     snippet = tmp_path / "guide_snippet.py"
     snippet.write_text(GUIDE_SNIPPET)
-    code, out, err = finish(cpctl(*CP2, str(snippet), tmp_path=tmp_path))
-    assert code == 1, out + err
-    assert "no_restore_buffers must be a subset of buffers" in err and "add it to buffers" in err
-    assert "Traceback" not in err
+    for line in pools[2].attempt(snippet, flags=CP2, cwd=tmp_path).refusals():
+        assert "no_restore_buffers must be a subset of buffers" in line and "add it to buffers" in line, line
 
 
 def test_the_docs_loop_runs_as_printed(tmp_path: Path) -> None:

@@ -4,8 +4,12 @@
 
 torch, transformers and cpctl are imported once, here; then each job (JOBS_DIR/job{N}.json: a worker
 script, its arguments, its cwd and environment) runs as `python SCRIPT ARGS` would, in every rank,
-on the process group this pool started. Each rank prints to JOBS_DIR/job{N}.rank{R}.out, and then
-writes JOBS_DIR/job{N}.rank{R}.json: whether the script ended well, its traceback otherwise.
+on the process group this pool started; a script for accelerate (CPCTL_SCRIPT_API=accelerate) as
+`cpctl launch` runs one: with the variables the launcher sets for it, through cpctl's accelerate
+shim. Each job starts as a fresh process would: no cpctl runtime, no patch of another library, no
+accelerate state from the job before; the process group stays (a job's teardown is a barrier).
+Each rank prints to JOBS_DIR/job{N}.rank{R}.out, and then writes JOBS_DIR/job{N}.rank{R}.json:
+whether the script ended well, its traceback otherwise.
 """
 
 from __future__ import annotations
@@ -18,12 +22,16 @@ import runpy
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch.distributed as dist
 
 import cpctl  # noqa: F401  (imported once for every job)
 import cpctl.runtime.runtime
+from cpctl import config
+from cpctl.integrations.patches import PATCHES
+from cpctl.launch.accelerate_env import accelerate_env
 
 with contextlib.suppress(ImportError):  # most jobs build Hugging Face models
     import transformers  # noqa: F401
@@ -55,6 +63,44 @@ def forget_runtime() -> None:
     runtime._INIT_OVERRIDES = {}
 
 
+def forget_accelerate() -> None:
+    """accelerate's process-wide singletons, as a fresh process has them (not yet made)."""
+    state = sys.modules.get("accelerate.state")
+    if state is not None:
+        state.AcceleratorState._reset_state(reset_partial_state=True)
+        state.GradientState._reset_state()
+
+
+@contextlib.contextmanager
+def process_group_kept() -> Iterator[None]:
+    """A job's destroy of the default process group (accelerate's end_training, a script's own
+    teardown) is a barrier instead: the pool's next job runs on the same group."""
+    destroy = dist.destroy_process_group
+
+    def keep(group=None) -> None:
+        if group is not None:
+            return destroy(group)
+        dist.barrier()
+
+    dist.destroy_process_group = keep
+    try:
+        yield
+    finally:
+        dist.destroy_process_group = destroy
+
+
+def run_as_launched(script: str, args: list[str]) -> None:
+    """The script, as `cpctl launch` would run it with the profile in the environment."""
+    if os.environ.get("CPCTL_SCRIPT_API") != "accelerate":
+        runpy.run_path(script, run_name="__main__")
+        return
+    from cpctl.integrations import accelerate_shim
+
+    profile = config.for_worker({}, environ=os.environ, cuda_devices=0).profile
+    os.environ.update(accelerate_env(profile))  # what the launcher gives each worker of an accelerate script
+    accelerate_shim.main([script, *args])
+
+
 def run(job: dict, output: Path) -> str | None:
     """Runs the job; returns None, or why it failed. What it prints goes to `output` as it is printed."""
     environ, cwd, argv, path = dict(os.environ), os.getcwd(), sys.argv, list(sys.path)
@@ -66,8 +112,8 @@ def run(job: dict, output: Path) -> str | None:
     forget_runtime()
     try:
         with output.open("w", buffering=1) as printed, contextlib.redirect_stdout(printed), \
-                contextlib.redirect_stderr(printed):
-            runpy.run_path(job["script"], run_name="__main__")
+                contextlib.redirect_stderr(printed), process_group_kept():
+            run_as_launched(job["script"], job["args"])
     except SystemExit as exit_:
         if exit_.code not in (None, 0):
             failure = f"exited {exit_.code}"
@@ -75,6 +121,8 @@ def run(job: dict, output: Path) -> str | None:
         failure = traceback.format_exc()
     finally:
         forget_runtime()
+        forget_accelerate()
+        PATCHES.remove()
         os.environ.clear()
         os.environ.update(environ)
         os.chdir(cwd)
