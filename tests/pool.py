@@ -2,11 +2,13 @@
 what runs inside the workers (engine numerics, runtime and Hugging Face equality checks), not
 the launcher: a launch costs each process an `import torch` (and transformers), seconds of CPU
 per process; the pool pays it once. What `cpctl launch` itself does keeps real launches
-(test_launch.py, test_faults.py, test_training.py's cp 2, the accelerate and Trainer scripts, ...).
+(test_launch.py, test_faults.py, test_training.py's cp 2, accelerate's own command line, TRL's
+sft script, the docs' commands, ...).
 
 A job is a worker script run as `python SCRIPT ARGS` would run it, in every rank at once
 (tests/workers/pool_worker.py), with the profile `cpctl launch FLAGS` would give it, as the
-CPCTL_* variables a plain torchrun job reads. A job that fails, or does not end in time, fails
+CPCTL_* variables a plain torchrun job reads; a script for accelerate (`--script-api accelerate`)
+as the launcher runs one, through cpctl's shim with accelerate's variables. A job that fails, or does not end in time, fails
 its test with every failed rank's traceback and output; where a rank did not end the job (it may
 wait for a peer that left), the pool is stopped and the next job starts a fresh one.
 """
@@ -19,7 +21,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -101,13 +103,13 @@ class Pool:
         return number
 
     def attempt(self, script: Path, *args: str, flags: Sequence[str] = (), cwd: Path,
-                timeout: float = JOB_TIMEOUT) -> Outcome:
+                env: Mapping[str, str] | None = None, timeout: float = JOB_TIMEOUT) -> Outcome:
         """`cpctl launch FLAGS SCRIPT ARGS` in the pool's ranks, as a launch would end: see `run`."""
         if self.proc is None or self.proc.poll() is not None:
             self.stop()
             self._start()
         number = self._submit({"script": str(script), "args": list(args), "cwd": str(cwd),
-                               "env": profile_env(["--device", "cpu", *flags])})
+                               "env": profile_env(["--device", "cpu", *flags]) | dict(env or {})})
         done = [self.jobs / f"job{number}.rank{rank}.json" for rank in range(self.world)]
         deadline, why = time.monotonic() + timeout, f"no result in {timeout:.0f}s"
         wait = FIRST_POLL_S
@@ -135,11 +137,11 @@ class Pool:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def run(self, script: Path, *args: str, flags: Sequence[str] = (), cwd: Path,
-            timeout: float = JOB_TIMEOUT) -> list[str]:
+            env: Mapping[str, str] | None = None, timeout: float = JOB_TIMEOUT) -> list[str]:
         """`cpctl launch FLAGS SCRIPT ARGS` in the pool's ranks (the flags' process count must be the
-        pool's: cpctl.init checks it); returns what each rank printed. A failure fails the test with
-        every failed rank's traceback and output."""
-        outcome = self.attempt(script, *args, flags=flags, cwd=cwd, timeout=timeout)
+        pool's: cpctl.init checks it), with `env` set too; returns what each rank printed. A failure
+        fails the test with every failed rank's traceback and output."""
+        outcome = self.attempt(script, *args, flags=flags, cwd=cwd, env=env, timeout=timeout)
         if not outcome.ok:
             pytest.fail(f"{script.name} {' '.join(args)} failed in the pool of {self.world} (flags {list(flags)}):\n"
                         + outcome.report(), pytrace=False)
@@ -185,10 +187,10 @@ class Pools:
         return self.by_world[world]
 
     def run(self, script: Path, *args: str, flags: Sequence[str], cwd: Path,
-            timeout: float = JOB_TIMEOUT) -> list[str]:
+            env: Mapping[str, str] | None = None, timeout: float = JOB_TIMEOUT) -> list[str]:
         """Pool.run in the pool of the flags' `--nproc-per-node`."""
         world = int(flags[list(flags).index("--nproc-per-node") + 1])
-        return self[world].run(script, *args, flags=flags, cwd=cwd, timeout=timeout)
+        return self[world].run(script, *args, flags=flags, cwd=cwd, env=env, timeout=timeout)
 
     def close(self) -> None:
         for pool in self.by_world.values():  # all at once: each stop takes its ranks a moment

@@ -16,12 +16,11 @@ import errno
 import json
 import os
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO, cpctl, error_lines, finish, started
+from launching import REPO, cpctl, error_lines, finish
 from pool import Pools
 
 pytest.importorskip("transformers")
@@ -32,27 +31,20 @@ from cpctl.runtime import saving  # noqa: E402
 
 WORKER = REPO / "tests" / "workers" / "save_routes.py"
 CPU2 = ("--device", "cpu", "--nproc-per-node", "2")
+CP2 = (*CPU2, "--cp-size", "2")
 TOLERANCE = 1e-5
 
 
-def run_route(tmp_path: Path, route: str, *launch: str, extra: tuple[str, ...] = (), env: dict | None = None) -> Path:
-    return start_route(tmp_path, route, *launch, extra=extra, env=env)()
-
-
-def start_route(tmp_path: Path, route: str, *launch: str, extra: tuple[str, ...] = (),
-                env: dict | None = None) -> Callable[[], Path]:
-    """run_route, started: call the result to wait for it (it must exit 0) and get its output directory."""
+def run_route(tmp_path: Path, pools: Pools, route: str, *extra: str, launch: tuple[str, ...] = CP2,
+              env: dict | None = None) -> Path:
+    """The route's worker as `cpctl launch LAUNCH` runs it, in the session's pool of its process
+    count (tests/pool.py: for the accelerate and Trainer routes, accelerate's variables and
+    cpctl's shim as `--script-api accelerate` gives them; the launcher is not what these test);
+    returns its output directory."""
     out = tmp_path / route
     api = "cpctl" if route == "runtime" else "accelerate"
-    proc = started(cpctl(*launch, "--script-api", api, str(WORKER), route, str(out), *extra, tmp_path=tmp_path,
-                         extra_env=env))
-
-    def wait() -> Path:
-        code, stdout, stderr = finish(proc)
-        assert code == 0, stdout + stderr
-        return out
-
-    return wait
+    pools.run(WORKER, route, str(out), *extra, flags=(*launch, "--script-api", api), cwd=tmp_path, env=env)
+    return out
 
 
 def reloaded_logits(directory: Path) -> torch.Tensor:
@@ -75,16 +67,8 @@ def workers_on_path(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.syspath_prepend(str(REPO / "tests" / "workers"))
 
 
-def run_runtime_route(tmp_path: Path, pools: Pools, *flags: str) -> Path:
-    """The runtime route (cpctl's own API: the launcher is not what it tests) in the session's pool of
-    the flags' process count (tests/pool.py)."""
-    out = tmp_path / "runtime"
-    pools.run(WORKER, "runtime", str(out), flags=(*flags, "--script-api", "cpctl"), cwd=tmp_path)
-    return out
-
-
 def test_the_runtime_route_saves_sharded_files_that_reload_as_trained(tmp_path: Path, pools) -> None:
-    out = run_runtime_route(tmp_path, pools, "--nproc-per-node", "2", "--cp-size", "2")
+    out = run_route(tmp_path, pools, "runtime")
     model = out / "model"
     index = json.loads((model / "model.safetensors.index.json").read_text())
     shards = sorted(p.name for p in model.glob("model-*.safetensors"))
@@ -96,25 +80,32 @@ def test_the_runtime_route_saves_sharded_files_that_reload_as_trained(tmp_path: 
 @pytest.mark.full
 def test_one_process_saves_what_it_trained(tmp_path: Path, pools) -> None:
     """cp 1 in one process: the model prepare_model sharded over a world of one."""
-    out = run_runtime_route(tmp_path, pools, "--nproc-per-node", "1")
+    out = run_route(tmp_path, pools, "runtime", launch=("--nproc-per-node", "1"))
     assert_reloads_as_trained(out / "model", out)
 
 
 @pytest.mark.full
 def test_a_save_under_ulysses_reloads_as_trained(tmp_path: Path, pools) -> None:
-    out = run_runtime_route(tmp_path, pools, "--nproc-per-node", "2", "--sp-size", "2", "--cp-size", "1")
+    out = run_route(tmp_path, pools, "runtime", launch=(*CPU2, "--sp-size", "2", "--cp-size", "1"))
     assert_reloads_as_trained(out / "model", out)
 
 
 @pytest.mark.full
 def test_a_save_at_cp2_x_dp_shard2_reloads_as_trained(tmp_path: Path, pools) -> None:
-    out = run_runtime_route(tmp_path, pools, "--nproc-per-node", "4", "--cp-size", "2", "--dp-shard-size", "2")
+    out = run_route(tmp_path, pools, "runtime", launch=("--nproc-per-node", "4", "--cp-size", "2", "--dp-shard-size", "2"))
     assert_reloads_as_trained(out / "model", out)
 
 
+@pytest.fixture(scope="module")
+def accelerate_four_steps(tmp_path_factory: pytest.TempPathFactory, pools) -> Path:
+    """The accelerate route at cp 2 for four steps, uninterrupted, its state saved at step 2 (the
+    model at step 4 saved each way): read by the tests of its saves and, copied, resumed."""
+    return run_route(tmp_path_factory.mktemp("accelerate"), pools, "accelerate", "--steps", "4")
+
+
 @pytest.mark.full
-def test_accelerates_three_ways_to_save_reload_as_trained(tmp_path: Path) -> None:
-    out = run_route(tmp_path, "accelerate", *CPU2, "--cp-size", "2")
+def test_accelerates_three_ways_to_save_reload_as_trained(accelerate_four_steps: Path) -> None:
+    out = accelerate_four_steps
     assert_reloads_as_trained(out / "unwrapped", out)  # save_pretrained(state_dict=accelerator.get_state_dict(model))
     assert_reloads_as_trained(out / "main-only", out)  # the same under `if accelerator.is_main_process:`
     trained = torch.load(out / "logits.pt")
@@ -129,31 +120,30 @@ def test_accelerates_three_ways_to_save_reload_as_trained(tmp_path: Path) -> Non
 
 
 @pytest.mark.full
-def test_accelerates_save_state_resumes_as_an_uninterrupted_run(tmp_path: Path) -> None:
-    """accelerator.save_state at step 2, load_state in a new launch, steps 3-4: the model an
-    uninterrupted four-step run trains (on the CPU route accelerate once wrote a format it could
-    not load back). The resumed launch checkpoints activations, the first did not: the state's
+def test_accelerates_save_state_resumes_as_an_uninterrupted_run(accelerate_four_steps: Path, tmp_path: Path,
+                                                                 pools) -> None:
+    """accelerator.save_state at step 2, load_state in a new run, steps 3-4: the model the
+    uninterrupted four-step run trained (on the CPU route accelerate once wrote a format it could
+    not load back). The resumed run checkpoints activations, the first did not: the state's
     names are the model's own either way."""
-    (tmp_path / "b").mkdir()
-    uninterrupted = start_route(tmp_path / "b", "accelerate", *CPU2, "--cp-size", "2", extra=("--steps", "4"))
-    first = run_route(tmp_path, "accelerate", *CPU2, "--cp-size", "2")
-    assert (first / "state" / "pytorch_model_fsdp_0").is_dir()  # accelerate's FSDP format: sharded
-    resumed = run_route(tmp_path, "accelerate", *CPU2, "--cp-size", "2", "--activation-checkpointing", "true",
-                        extra=("--steps", "4", "--resume"))
-    assert_reloads_as_trained(resumed / "unwrapped", uninterrupted())
+    assert (accelerate_four_steps / "state" / "pytorch_model_fsdp_0").is_dir()  # accelerate's FSDP format: sharded
+    shutil.copytree(accelerate_four_steps / "state", tmp_path / "accelerate" / "state")
+    resumed = run_route(tmp_path, pools, "accelerate", "--steps", "4", "--resume",
+                        launch=(*CP2, "--activation-checkpointing", "true"))
+    assert_reloads_as_trained(resumed / "unwrapped", accelerate_four_steps)
 
 
 @pytest.fixture(scope="module")
-def trainer_two_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The Trainer route at cp 2 for two steps (its saved model, its checkpoint at step 2): one launch,
-    read by the tests of its format and, copied, resumed."""
-    return run_route(tmp_path_factory.mktemp("trainer"), "trainer", *CPU2, "--cp-size", "2")
+def trainer_four_steps(tmp_path_factory: pytest.TempPathFactory, pools) -> Path:
+    """The Trainer route at cp 2 for four steps, uninterrupted (its checkpoints at steps 2 and 4,
+    its saved model): read by the tests of its format and, copied, resumed."""
+    return run_route(tmp_path_factory.mktemp("trainer"), pools, "trainer", "--steps", "4")
 
 
 @pytest.mark.full
-def test_the_trainer_saves_its_model_and_checkpoints_in_hugging_faces_format(trainer_two_steps: Path) -> None:
+def test_the_trainer_saves_its_model_and_checkpoints_in_hugging_faces_format(trainer_four_steps: Path) -> None:
     """FSDP_STATE_DICT_TYPE unset (accelerate's default: SHARDED_STATE_DICT), where save_model wrote nothing."""
-    out = trainer_two_steps
+    out = trainer_four_steps
     assert_reloads_as_trained(out / "model", out)
     checkpoint = out / "run" / "checkpoint-2"
     assert (checkpoint / "model.safetensors").is_file() and (checkpoint / "config.json").is_file()
@@ -161,27 +151,25 @@ def test_the_trainer_saves_its_model_and_checkpoints_in_hugging_faces_format(tra
 
 
 @pytest.mark.full
-def test_the_trainer_with_full_state_dict_saves_as_trained(tmp_path: Path) -> None:
-    out = run_route(tmp_path, "trainer", *CPU2, "--cp-size", "2", env={"FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"})
+def test_the_trainer_with_full_state_dict_saves_as_trained(tmp_path: Path, pools) -> None:
+    out = run_route(tmp_path, pools, "trainer", env={"FSDP_STATE_DICT_TYPE": "FULL_STATE_DICT"})
     assert_reloads_as_trained(out / "model", out)
 
 
 @pytest.mark.full
-def test_the_trainer_resumed_from_its_checkpoint_saves_what_an_uninterrupted_run_would(trainer_two_steps: Path,
-                                                                                         tmp_path: Path) -> None:
-    (tmp_path / "b").mkdir()
-    first = tmp_path / "a" / trainer_two_steps.name
-    shutil.copytree(trainer_two_steps, first)  # resumed in a copy: the format test reads the original
-    # the uninterrupted run starts beside the resumed one: both spend seconds importing
-    uninterrupted = start_route(tmp_path / "b", "trainer", *CPU2, "--cp-size", "2", extra=("--steps", "4"))
-    resumed = run_route(tmp_path / "a", "trainer", *CPU2, "--cp-size", "2", extra=("--steps", "4", "--resume"))
-    assert resumed == first and (first / "run" / "checkpoint-4").is_dir()
-    assert_reloads_as_trained(resumed / "model", uninterrupted())
+def test_the_trainer_resumed_from_its_checkpoint_saves_what_an_uninterrupted_run_would(trainer_four_steps: Path,
+                                                                                         tmp_path: Path,
+                                                                                         pools) -> None:
+    checkpoint = tmp_path / "trainer" / "run" / "checkpoint-2"
+    shutil.copytree(trainer_four_steps / "run" / "checkpoint-2", checkpoint)  # only what an interrupted run had
+    resumed = run_route(tmp_path, pools, "trainer", "--steps", "4", "--resume")
+    assert (checkpoint.parent / "checkpoint-4").is_dir()
+    assert_reloads_as_trained(resumed / "model", trainer_four_steps)
 
 
 @pytest.mark.full
 def test_a_save_called_on_rank_0_only_is_one_line_not_a_hang(tmp_path: Path) -> None:
-    code, stdout, stderr = finish(cpctl(*CPU2, "--cp-size", "2", "--comm-timeout", "5", "--script-api", "cpctl",
+    code, stdout, stderr = finish(cpctl(*CP2, "--comm-timeout", "5", "--script-api", "cpctl",
                                         str(WORKER), "runtime", str(tmp_path / "out"), "--main-only",
                                         tmp_path=tmp_path))
     assert code == 1, stdout + stderr
@@ -191,14 +179,12 @@ def test_a_save_called_on_rank_0_only_is_one_line_not_a_hang(tmp_path: Path) -> 
 
 
 @pytest.mark.full
-def test_an_unwritable_directory_is_one_line_on_every_rank(tmp_path: Path) -> None:
+def test_an_unwritable_directory_is_one_line_on_every_rank(tmp_path: Path, pools) -> None:
     (tmp_path / "a-file").write_text("")
-    code, stdout, stderr = finish(cpctl(*CPU2, "--cp-size", "2", "--script-api", "cpctl", str(WORKER), "runtime",
-                                        str(tmp_path / "out"), "--into", str(tmp_path / "a-file" / "model"),
-                                        tmp_path=tmp_path))
-    assert code == 1, stdout + stderr
-    (line,) = error_lines(stderr)
-    assert "saving the model" in line and "cannot write there (Not a directory)" in line, line
+    outcome = pools[2].attempt(WORKER, "runtime", str(tmp_path / "out"), "--into", str(tmp_path / "a-file" / "model"),
+                               flags=(*CP2, "--script-api", "cpctl"), cwd=tmp_path)
+    for line in outcome.refusals():  # the same error on every rank: the launcher's one line
+        assert "saving the model" in line and "cannot write there (Not a directory)" in line, line
 
 
 # ---------------------------------------------------------------- the write itself, in this process
