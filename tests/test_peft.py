@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO, cpctl, finish, start_python, tiered
+from launching import REPO, start_python, tiered
 from pool import Pools
 
 pytest.importorskip("peft")
 
 WORKER = REPO / "tests" / "workers" / "peft_cases.py"
 CP2 = ("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2")
+ACCELERATE_CP2 = (*CP2, "--script-api", "accelerate")  # the Trainer's route (the pool runs it as cpctl launch does)
 TOLERANCE = 1e-5
 
 
@@ -144,14 +145,12 @@ def test_get_peft_model_after_prepare_model_is_refused_on_every_rank_before_any_
 
 
 @pytest.mark.full
-def test_a_trainer_with_a_peft_model_under_cp2_trains_and_saves_as_one_process(tmp_path: Path) -> None:
+def test_a_trainer_with_a_peft_model_under_cp2_trains_and_saves_as_one_process(tmp_path: Path, pools) -> None:
     from safetensors.torch import load_file
 
     one_process = start_python(str(WORKER), str(tmp_path / "plain"), "--trainer", cwd=tmp_path)
     out = tmp_path / "cp2"
-    code, stdout, stderr = finish(cpctl(*CP2, "--script-api", "accelerate", str(WORKER), str(out), "--trainer",
-                                        tmp_path=tmp_path))
-    assert code == 0, stdout + stderr
+    pools.run(WORKER, str(out), "--trainer", flags=ACCELERATE_CP2, cwd=tmp_path)
     one_process()
     plain = json.loads((tmp_path / "plain" / "result.json").read_text())
     got = json.loads((out / "result.json").read_text())
@@ -163,7 +162,8 @@ def test_a_trainer_with_a_peft_model_under_cp2_trains_and_saves_as_one_process(t
 
 
 @pytest.mark.full
-def test_a_lora_trainer_with_checkpointing_resumed_from_its_checkpoint_trains_as_uninterrupted(tmp_path: Path) -> None:
+def test_a_lora_trainer_with_checkpointing_resumed_from_its_checkpoint_trains_as_uninterrupted(tmp_path: Path,
+                                                                                               pools) -> None:
     """A LoRA run's Trainer checkpoint holds its adapters (peft names them as the model without
     cpctl's checkpoint wrappers has them), and resuming reads them: the steps after the checkpoint
     and the saved adapters are the uninterrupted one-process run's."""
@@ -172,10 +172,8 @@ def test_a_lora_trainer_with_checkpointing_resumed_from_its_checkpoint_trains_as
     trainer = ("--trainer", "--steps", "4", "--checkpointing")
     one_process = start_python(str(WORKER), str(tmp_path / "plain"), *trainer, cwd=tmp_path)
     out = tmp_path / "cp2"
-    for step in (("--stop-at", "2"), ("--stop-at", "2", "--resume")):
-        code, stdout, stderr = finish(cpctl(*CP2, "--script-api", "accelerate", str(WORKER), str(out), *trainer,
-                                            *step, tmp_path=tmp_path))
-        assert code == 0, stdout + stderr
+    for step in (("--stop-at", "2"), ("--stop-at", "2", "--resume")):  # an interrupted run, then a new one
+        pools.run(WORKER, str(out), *trainer, *step, flags=ACCELERATE_CP2, cwd=tmp_path)
     saved_state = list((out / "run" / "checkpoint-2" / "pytorch_model_fsdp_0").glob("*.distcp"))
     assert saved_state and sum(path.stat().st_size for path in saved_state) > 1000  # the adapters, not nothing
     one_process()
