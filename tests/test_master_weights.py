@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from launching import REPO, TIMEOUT, cpctl, finish, launch_env
+from launching import REPO, TIMEOUT, launch_env
 
 from cpctl.config import KEYS
 from cpctl.config.rules import first_problem
@@ -130,14 +130,13 @@ if accelerator.is_main_process:
 
 
 @pytest.mark.full
-def test_the_accelerate_route_has_fp32_master_weights(tmp_path: Path) -> None:
+def test_the_accelerate_route_has_fp32_master_weights(tmp_path: Path, pools) -> None:
     """accelerate upcasts only under its own mixed precision (on the CPU the profile's is no): cpctl
     does it before accelerate's FSDP2 preparation, frozen parameters left in bf16."""
     script, out = tmp_path / "bf16_accelerate.py", tmp_path / "dtypes.json"
     script.write_text(ACCELERATE_SCRIPT)
-    code, stdout, stderr = finish(cpctl("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2",
-                                        "--script-api", "accelerate", str(script), str(out), tmp_path=tmp_path))
-    assert code == 0, stdout + stderr
+    pools.run(script, str(out), flags=("--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2",
+                                       "--script-api", "accelerate"), cwd=tmp_path)
     result = json.loads(out.read_text())
     assert result["params"].pop("model.embed_tokens.weight") == "torch.bfloat16"
     assert set(result["params"].values()) == {"torch.float32"} and result["states"] == ["torch.float32"]

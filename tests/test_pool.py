@@ -74,3 +74,45 @@ def test_a_rank_left_waiting_by_a_failed_peer_ends_the_pool_and_the_next_job_get
     assert outcome.failures[0] == f"no result {FAILED_PEERS_GRACE_S}s after another rank failed"
     assert pools[2].proc is None
     assert profiles(pools[2], tmp_path, "--cp-size", "2")[1]["cp"] == 2
+
+
+ACCELERATE_JOB = """\
+import json, os, sys
+import torch.distributed as dist
+from accelerate import Accelerator
+from cpctl.integrations.patches import PATCHES
+accelerator = Accelerator()
+seen = {"fsdp": os.environ.get("ACCELERATE_USE_FSDP"), "cp": accelerator.parallelism_config.cp_size,
+        "patched": bool(PATCHES.applied())}
+accelerator.end_training()  # destroys the default process group, in a real launch
+if accelerator.is_main_process:
+    json.dump(seen, open(sys.argv[1], "w"))
+"""
+
+AFTER_IT = """\
+import json, os, sys
+import torch.distributed as dist
+from accelerate.state import AcceleratorState, PartialState
+from cpctl.integrations.patches import PATCHES
+left = {"patches": PATCHES.applied(), "accelerator_state": bool(AcceleratorState._shared_state),
+        "partial_state": bool(PartialState._shared_state), "fsdp": os.environ.get("ACCELERATE_USE_FSDP"),
+        "group": dist.is_initialized() and dist.get_world_size()}
+dist.barrier()
+if dist.get_rank() == 0:
+    json.dump(left, open(sys.argv[1], "w"))
+"""
+
+
+def test_an_accelerate_job_runs_as_launched_and_leaves_nothing_to_the_next(pools, tmp_path: Path) -> None:
+    """A `--script-api accelerate` job gets accelerate's variables and cpctl's shim, as a launch
+    would; the job after it finds what a fresh process has: no patch, no accelerate state, no
+    accelerate variable, the pool's process group (end_training did not destroy it)."""
+    pytest.importorskip("accelerate")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    pools[2].run(script(tmp_path / "a", ACCELERATE_JOB), str(tmp_path / "seen.json"),
+                 flags=("--cp-size", "2", "--script-api", "accelerate"), cwd=tmp_path)
+    assert json.loads((tmp_path / "seen.json").read_text()) == {"fsdp": "true", "cp": 2, "patched": True}
+    pools[2].run(script(tmp_path / "b", AFTER_IT), str(tmp_path / "left.json"), cwd=tmp_path)
+    assert json.loads((tmp_path / "left.json").read_text()) == {
+        "patches": [], "accelerator_state": False, "partial_state": False, "fsdp": None, "group": 2}
