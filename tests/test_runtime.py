@@ -115,6 +115,7 @@ MISUSE = {
     "different_data": ["got different inputs", "buffer 0", "rt.prepare_dataloader"],
     "different_lengths": ["got different inputs", "rt.prepare_dataloader"],
     "optimizer_before_prepare": ["SGD", "before rt.prepare_model", "Create the optimizer after"],
+    "prepared_twice": ["the model is already sharded", "is a DTensor", "prepares a model once"],
 }
 
 
@@ -126,6 +127,11 @@ def test_misuse_is_a_clear_error_on_every_rank(cp_ranks, name: str) -> None:
 def test_an_optimizer_made_before_prepare_model_is_refused_in_one_process(single_rank) -> None:
     error = single_rank["misuse_single"]["optimizer_before_prepare"]
     assert error["type"] == "CpctlError" and "before rt.prepare_model" in error["message"], error
+
+
+def test_a_model_prepared_twice_is_refused_in_one_process(single_rank) -> None:
+    error = single_rank["misuse_single"]["prepared_twice"]
+    assert error["type"] == "CpctlError" and "rt.prepare_model prepares a model once" in error["message"], error
 
 
 @pytest.mark.parametrize(("name", "fragment"), [("quantized_float8", "is stored in float8_e4m3fn"),

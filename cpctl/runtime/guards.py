@@ -115,6 +115,18 @@ _QUANTIZED_DTYPES = {getattr(torch, name) for name in ("int8", "uint8", "int4", 
                      if hasattr(torch, name)}
 
 
+def refuse_sharded(model: nn.Module) -> None:
+    """A model whose parameters are already distributed (FSDP2's `fully_shard`, or tensor parallel
+    DTensors: `rt.prepare_model` called on it before, or the script's own sharding) is one line:
+    sharding it again fails deep in torch, naming neither the model nor the fix."""
+    from torch.distributed.tensor import DTensor
+
+    name = next((name for name, p in model.named_parameters() if isinstance(p, DTensor)), None)
+    if name is not None:
+        raise CpctlError(f"the model is already sharded ({name} is a DTensor): rt.prepare_model prepares a model "
+                         "once; call it on the model as built or loaded, and use the model it returns from then on")
+
+
 def refuse_quantized(model: nn.Module) -> None:
     """A quantized model (bitsandbytes' 4/8-bit, GPTQ/AWQ, torchao or torch's own quantized
     modules, weights in int8 or float8) is one line before any sharding: cpctl shards and trains

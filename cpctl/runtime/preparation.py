@@ -1,6 +1,6 @@
 """`rt.prepare_model`'s pipeline: every step a model goes through, in order, in one place.
 
-1. refusals: a compiled model, a quantized one;
+1. refusals: a compiled model, a sharded one (prepared before), a quantized one;
 2. its library's adapter (the one registered that knows it: runtime/adapters.py) routes its
    attention through cpctl, and hands over its own gradient checkpointing;
 3. the device (buffers only for a model on meta: `rt.from_pretrained` fills the shards later);
@@ -97,6 +97,7 @@ class ModelPreparation:
             # its compiled graph would keep the attention it was traced with, and FSDP2 would wrap the wrapper
             raise CpctlError("the model was compiled (torch.compile) before rt.prepare_model: prepare the model "
                              "itself, then compile what prepare_model returns (model = torch.compile(rt.prepare_model(model)))")
+        guards.refuse_sharded(model)
         guards.refuse_quantized(model)
         checkpointing = self.config.fsdp.activation_checkpointing
         found = adapters.adapter_for(model)  # the model itself, or the one a wrapper (PEFT) holds

@@ -471,7 +471,14 @@ def case_misuse(rt: Runtime) -> dict:
     results["different_data"] = error_of(different_data)
     results["different_lengths"] = error_of(different_lengths)
     results["optimizer_before_prepare"] = optimizer_before_prepare(rt)
+    results["prepared_twice"] = prepared_twice(rt)
     return results
+
+
+def prepared_twice(rt: Runtime) -> dict:
+    """rt.prepare_model on the model it returned: refused, naming the fix (FSDP2's own refusal names neither)."""
+    prepared = rt.prepare_model(TinyLM())
+    return error_of(lambda: rt.prepare_model(prepared))
 
 
 def optimizer_before_prepare(rt: Runtime) -> dict:
@@ -496,7 +503,7 @@ def quantized(kind: str) -> torch.nn.Module:
 
 
 def case_misuse_single(rt: Runtime) -> dict:
-    return {"optimizer_before_prepare": optimizer_before_prepare(rt),
+    return {"optimizer_before_prepare": optimizer_before_prepare(rt), "prepared_twice": prepared_twice(rt),
             "quantized_float8": error_of(lambda: rt.prepare_model(quantized("float8"))),
             "quantized_int8": error_of(lambda: rt.prepare_model(quantized("int8")))}
 
