@@ -113,6 +113,38 @@ if rt.is_main:
     assert result["difference"] <= TOLERANCE
 
 
+FP32_CHECKPOINT_IN_BF16 = """import json, sys, torch, torch.distributed as dist, cpctl
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+path, out = sys.argv[1:]
+rt = cpctl.init()
+if rt.is_main:  # an fp32 checkpoint
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2)).save_pretrained(path, max_shard_size="30KB")
+dist.barrier()
+streamed = rt.from_pretrained(AutoModelForCausalLM, path, dtype=torch.bfloat16)
+the_old_way = rt.prepare_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16))
+def whole(model):
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+got, want = whole(streamed), whole(the_old_way)
+if rt.is_main:
+    json.dump({"dtypes": sorted({str(t.dtype) for t in got.values()}),
+               "largest_difference": max((got[k] - want[k]).abs().max().item() for k in want),
+               "bf16_values": all(torch.equal(t, t.to(torch.bfloat16).float()) for t in got.values())}, open(out, "w"))
+"""
+
+
+@pytest.mark.full
+def test_an_fp32_checkpoint_asked_for_in_bf16_loads_as_from_pretrained_rounds_it(tmp_path: Path, pools) -> None:
+    """dtype=torch.bfloat16 rounds an fp32 checkpoint's values to bf16 in from_pretrained, which
+    prepare_model's fp32 master weights then keep: rt.from_pretrained gives the same weights."""
+    script, out = tmp_path / "fp32_in_bf16.py", tmp_path / "result.json"
+    script.write_text(FP32_CHECKPOINT_IN_BF16)
+    pools[2].run(script, str(tmp_path / "fp32"), str(out), cwd=tmp_path, flags=("--cp-size", "2"))
+    assert json.loads(out.read_text()) == {"dtypes": ["torch.float32"], "largest_difference": 0.0, "bf16_values": True}
+
+
 @pytest.mark.full
 def test_a_checkpoint_of_another_shape_is_one_line(tmp_path: Path, pools) -> None:
     path = checkpoint(tmp_path, pools, tied=False)

@@ -109,6 +109,12 @@ def tied_names(model: nn.Module) -> list[set[str]]:
     return [names for names in by_param.values() if len(names) > 1]
 
 
+def built_dtypes(model: nn.Module) -> dict[str, torch.dtype]:
+    """Each parameter's dtype as built (from_pretrained's `dtype`, or the config's), before
+    preparation may keep it as fp32 master weights: what load_weights rounds the checkpoint to."""
+    return {name: param.dtype for name, param in model.named_parameters(remove_duplicate=False)}
+
+
 def has_meta_parameters(model: nn.Module) -> bool:
     return any(param.device.type == "meta" for param in model.parameters())
 
@@ -121,9 +127,12 @@ def move_buffers(model: nn.Module, device: torch.device) -> None:
                 module._buffers[name] = buffer.to(device)
 
 
-def load_weights(model: nn.Module, path: str | os.PathLike, *, device: torch.device, tied: list[set[str]]) -> None:
+def load_weights(model: nn.Module, path: str | os.PathLike, *, device: torch.device, tied: list[set[str]],
+                 dtypes: dict[str, torch.dtype]) -> None:
     """Give a prepared model's meta parameters memory on `device` and fill this rank's shards from
-    the safetensors files at `path`. Collective: every rank calls it."""
+    the safetensors files at `path`, each value rounded to the dtype its weight was built in
+    (`dtypes`, built_dtypes) as from_pretrained rounds it, even where preparation keeps the
+    weight wider (fp32 master weights of a model asked for in bf16). Collective: every rank calls it."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -142,12 +151,27 @@ def load_weights(model: nn.Module, path: str | os.PathLike, *, device: torch.dev
     copies = _stored_copies(state, tied)
     dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
     _check_copies_equal(state, copies, device=device, path=path)
+    _round_to_built(state, dtypes)
     for names in copies.values():
         for name in names:
             del state[name]
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
     if hasattr(model, "tie_weights"):
         model.tie_weights()
+
+
+def _round_to_built(state: dict[str, torch.Tensor], dtypes: dict[str, torch.dtype]) -> None:
+    """Each loaded value held wider than its weight was built in, rounded to that dtype in place
+    (this rank's shard of it)."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for name, tensor in state.items():
+            built = dtypes.get(name)
+            if (built is not None and built.is_floating_point and tensor.is_floating_point()
+                    and torch.finfo(built).bits < torch.finfo(tensor.dtype).bits):
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                local.copy_(local.to(built))
 
 
 def materialize(model: nn.Module, *, device: torch.device | str) -> set[str]:

@@ -133,8 +133,9 @@ class Runtime:
         `kwargs` go to it as to from_pretrained (`attn_implementation`, `dtype`). Like
         from_pretrained it returns the model in eval mode: call `model.train()` to train."""
         model, tied = loading.build_on_meta(model_class, path, **kwargs)
+        dtypes = loading.built_dtypes(model)
         model = self.prepare_model(model, tp_plan=tp_plan)
-        loading.load_weights(model, path, device=self.device, tied=tied)
+        loading.load_weights(model, path, device=self.device, tied=tied, dtypes=dtypes)
         return model.eval()
 
     @property
