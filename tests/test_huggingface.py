@@ -305,6 +305,52 @@ def test_two_models_prepared_in_one_process_each_compute_with_their_own_runtime(
     assert huggingface._RUNNING == []
 
 
+SINKS = """
+import json, sys, torch, cpctl
+from transformers import GptOssConfig, GptOssForCausalLM
+def gpt_oss():  # learned attention sinks; transformers runs it with eager attention only
+    torch.manual_seed(0)
+    return GptOssForCausalLM(GptOssConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=12,
+        layer_types=["sliding_attention", "full_attention"], initializer_range=0.1, attn_implementation="eager"))
+ids = torch.randint(64, (1, 32), generator=torch.Generator().manual_seed(1))
+rt = cpctl.init()
+model = rt.prepare_model(gpt_oss())  # refused here under CP
+plain = gpt_oss()
+plain(input_ids=ids, labels=ids).loss.backward()
+loss = model(input_ids=ids, labels=ids).loss  # outside maybe_context_parallel: transformers' own attention
+loss.backward()
+sinks = model.model.layers[0].self_attn.sinks.grad.full_tensor()
+try:
+    with rt.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1]):
+        model(input_ids=ids)
+    refusal = None
+except cpctl.CpctlError as error:
+    refusal = str(error)
+json.dump({"loss": abs(loss.item() - plain(input_ids=ids, labels=ids).loss.item()),
+           "sinks_grad": (sinks - plain.model.layers[0].self_attn.sinks.grad).abs().max().item(),
+           "refusal": refusal}, open(sys.argv[1], "w"))
+"""
+
+
+def test_a_model_with_attention_sinks_is_its_own_outside_the_context_and_refused_under_cp(tmp_path: Path,
+                                                                                           pools) -> None:
+    """gpt-oss adds learned sinks to each softmax, which neither cpctl's engine nor SDPA computes:
+    refused at prepare_model under CP; at cp 1 the model keeps transformers' attention (it once ran
+    SDPA outside the context, silently without its sinks) and is refused inside the context."""
+    pytest.importorskip("transformers.models.gpt_oss")
+    script, out = tmp_path / "sinks.py", tmp_path / "cp1.json"
+    script.write_text(SINKS)
+    pools[1].run(script, str(out), cwd=tmp_path)
+    result = json.loads(out.read_text())
+    assert result["loss"] <= 1e-6 and result["sinks_grad"] <= 1e-6, result
+    assert "adds learned sinks (model.layers.0.self_attn.sinks)" in result["refusal"], result
+    for line in pools[2].attempt(script, str(tmp_path / "cp2.json"), flags=("--cp-size", "2"), cwd=tmp_path).refusals():
+        assert "GptOssForCausalLM cannot run under context parallelism: its attention adds learned sinks" in line, line
+        assert "at cp_size 1" in line, line
+
+
 COMPILED_FIRST = """
 import torch, cpctl
 from transformers import LlamaConfig, LlamaForCausalLM

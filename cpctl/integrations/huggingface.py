@@ -128,7 +128,7 @@ def prepare(model: nn.Module, runtime: RuntimeView) -> PreparedModel:
     """
     fsdp_saving.install()  # once sharded, save_pretrained must gather before it writes
     config = model.config
-    problems = [*_config_problems(config), *_position_problems(model),
+    problems = [*_config_problems(config), *_sink_problems(model), *_position_problems(model),
                 *_head_problems(config, sp_size=runtime.sp_size, tp_size=runtime.config.parallelism.tp_size)]
     problem = next(iter(problems), None)
     calls_sdpa = False
@@ -205,6 +205,15 @@ def _config_problems(config) -> Iterator[str]:
             if kind not in ATTENTION_LAYERS:
                 yield (f"its layer_types include {kind!r}, which mixes tokens outside attention and cannot be "
                        f"sharded by sequence; cpctl shards {', '.join(ATTENTION_LAYERS)} layers")
+
+
+def _sink_problems(model: nn.Module) -> Iterator[str]:
+    """Learned attention sinks (gpt-oss' `sinks`, handed to attention as `s_aux`) add a logit per head
+    to every softmax; neither cpctl's engine nor the SDPA it stands in for computes them."""
+    sinks = next((name for name, _ in model.named_parameters() if name.rsplit(".", 1)[-1] in ("sinks", "s_aux")), None)
+    if sinks is not None:
+        yield (f"its attention adds learned sinks ({sinks}) to each softmax, which cpctl's engine does not compute; "
+               "run it outside maybe_context_parallel, at cp_size 1")
 
 
 def _position_problems(model: nn.Module) -> Iterator[str]:
@@ -399,6 +408,11 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     runtime = _routing_runtime(module)
+    unsupported = next((name for name in ("softcap", "position_bias", "s_aux", "sinks") if kwargs.get(name) is not None),
+                       None)
+    if unsupported is not None:  # outside a step too: SDPA would drop it silently
+        raise CpctlError(f"{type(module).__name__} passes {unsupported} to attention, which cpctl's attention does not "
+                         "compute; run this model outside maybe_context_parallel, at cp_size 1")
     if runtime is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
@@ -409,10 +423,6 @@ def attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: 
         )
     if dropout:
         raise CpctlError(f"attention dropout {dropout} under context parallelism; set the model's attention dropout to 0.0")
-    for name in ("softcap", "position_bias", "s_aux", "sinks"):
-        if kwargs.get(name) is not None:
-            raise CpctlError(f"{type(module).__name__} passes {name} to attention, which cpctl's CP engine "
-                             "does not compute; run this model with cp_size 1")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     window, chunk = _layer_pattern(module, kwargs.get("sliding_window"))
     if window is not None and not causal:
