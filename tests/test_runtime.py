@@ -112,6 +112,8 @@ def test_bad_input_is_a_clear_error(cp_ranks, name: str) -> None:
 MISUSE = {
     "labels_left_out": ["8 logits but 16 labels", "not sharded", "add them to maybe_context_parallel's buffers"],
     "token_mean_full_labels": ["full sequence length 8", "add it to buffers"],
+    "labels_along_the_batch": ["token_mean's labels is among the buffers but was sharded along dim 0",
+                               "give it 1 in buffer_seq_dims"],
     "different_data": ["got different inputs", "buffer 0", "rt.prepare_dataloader"],
     "different_lengths": ["got different inputs", "rt.prepare_dataloader"],
     "optimizer_before_prepare": ["SGD", "before rt.prepare_model", "Create the optimizer after"],

@@ -87,6 +87,7 @@ class Step:
         self.seq_lengths: dict[int, int] = {}  # while entered: full length -> this rank's length, of every buffer
         self.local_length: int | None = None  # this rank's tokens (padding included), once entered
         self._restore: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._sharded_along: list[tuple[torch.Tensor, int]] = []  # while entered: each buffer and its seq dim
 
     @classmethod
     def plain(cls, split: SequenceSplit, *, group: dist.ProcessGroup | None) -> Step:
@@ -117,6 +118,7 @@ class Step:
             if self.padding is not None and shards:
                 self.seq_lengths[self.padding.padded] = shards[0].shape[seq_dims[0]]
             self.local_length = shards[0].shape[seq_dims[0]] if shards else None
+            self._sharded_along = list(zip(buffers, seq_dims))
             for buffer, local in zip(buffers, shards):
                 if local is buffer:
                     continue
@@ -126,7 +128,7 @@ class Step:
 
     def exit(self) -> None:
         """Put the caller's tensors back into the restored buffers; the step checks no more inputs."""
-        self.seq_lengths = {}
+        self.seq_lengths, self._sharded_along = {}, []
         restore, self._restore = self._restore, []
         with torch.no_grad():
             for buffer, original in restore:
@@ -215,6 +217,10 @@ class Step:
         length = tensor.shape[seq_dim]
         if length in self.seq_lengths.values():
             return
+        along = next((dim for buffer, dim in self._sharded_along if buffer is tensor), None)
+        if along is not None and along % tensor.dim() != seq_dim % tensor.dim():
+            raise CpctlError(f"{name} is among the buffers but was sharded along dim {along}, while its tokens are "
+                             f"along dim {seq_dim % tensor.dim()}: give it {seq_dim % tensor.dim()} in buffer_seq_dims")
         if length in self.seq_lengths:
             raise CpctlError(
                 f"{name} has the full sequence length {length} inside maybe_context_parallel; add it to buffers "

@@ -466,7 +466,14 @@ def case_misuse(rt: Runtime) -> dict:
         with rt.maybe_context_parallel(buffers=[mine], buffer_seq_dims=[1]):
             pass
 
+    def labels_along_the_batch():
+        batch = torch.arange(64).view(4, 16)  # 4 rows: dim 0 splits over cp 2 as evenly as the tokens would
+        kept_ids, kept_labels = batch.clone(), cpctl.shift_labels(batch)
+        with rt.maybe_context_parallel(buffers=[kept_ids, kept_labels], buffer_seq_dims=[1, 0]):
+            rt.token_mean(torch.ones(()), kept_labels)
+
     results["labels_left_out"] = error_of(labels_left_out)
+    results["labels_along_the_batch"] = error_of(labels_along_the_batch)
     results["token_mean_full_labels"] = error_of(token_mean_of_full_labels)
     results["different_data"] = error_of(different_data)
     results["different_lengths"] = error_of(different_lengths)
