@@ -448,6 +448,22 @@ def test_a_misspelt_option_before_the_script_is_one_line(script: Path) -> None:
                           "--cp-sise: unknown option; did you mean --cp-size?")
 
 
+@pytest.mark.parametrize(("args", "fragments"), [
+    (["config", "--yes", "--cp-sise", "2"], ["No such option: --cp-sise", "--cp-size", "see cpctl config --help"]),
+    (["check", "--cp-sise", "2"], ["No such option: --cp-sise", "see cpctl check --help"]),
+    (["env", "--bogus"], ["No such option: --bogus", "see cpctl env --help"]),
+    (["lanch"], ["No such command 'lanch'", "Did you mean 'launch'", "See cpctl --help."]),
+    (["--bogus"], ["No such option: --bogus", "see cpctl --help"]),
+    (["plan", "--model", "1b", "--seq-len"], ["Option '--seq-len' requires an argument"]),
+    (["launch", "--dry-run", "--nproc-per-node"], ["Option '--nproc-per-node' requires an argument"]),
+])
+def test_what_the_command_line_parser_itself_refuses_is_one_line(args: list[str], fragments: list[str]) -> None:
+    """click's own errors (before cpctl sees the values) are the same one line as cpctl's, not a boxed block."""
+    result = cpctl(*args)
+    assert_one_line_error(result, *fragments)
+    assert "Usage:" not in result.output and "\u256d" not in result.output  # no usage block, no box
+
+
 # ----------------------------------------------------------------------------- the launcher boundary
 
 

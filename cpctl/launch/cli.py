@@ -15,6 +15,7 @@ import functools
 import gc
 import inspect
 import json
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
@@ -42,8 +43,30 @@ class _Switches:
         return option
 
 
+# click's base of the errors it shows itself, from the click typer runs on (its own copy in recent
+# releases), reached through typer's public BadParameter
+_CLICK_ERROR = next(cls for cls in typer.BadParameter.__mro__ if cls.__name__ == "ClickException")
+
+
 class _Group(_Switches, typer.core.TyperGroup):
-    pass
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        """click's own errors (an unknown option or command, an option without its value) as one
+        `error:` line naming the help to read, exit 2, as every other bad input is; not a boxed block."""
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except _CLICK_ERROR as exc:
+            message = " ".join(exc.format_message().split())  # click's may span lines
+            where = getattr(getattr(exc, "ctx", None), "command_path", None)
+            help_hint = "" if not where else f" See {where} --help." if message.endswith("?") else f"; see {where} --help"
+            message = message if message.endswith("?") else message.rstrip(".")
+            _stderr().print(f"[bold red]error:[/] {escape(message)}{help_hint}", soft_wrap=True)
+            sys.exit(exc.exit_code)
+        except typer.Abort:
+            _stderr().print("Aborted.")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
 
 
 class _Command(_Switches, typer.core.TyperCommand):
