@@ -142,7 +142,7 @@ def test_the_same_value_twice_is_fine(script: Path) -> None:
 
 
 @pytest.mark.parametrize(("flag", "fragment"), [
-    (["--config_file", "acc.yaml"], "cpctl does not read accelerate's config files"),
+    (["--config_file", "acc.yaml"], "cpctl reads the file accelerate config writes as --config FILE"),
     (["--use_deepspeed"], "not DeepSpeed"),
     (["--deepspeed_config_file", "ds.json"], "not DeepSpeed"),
     (["--zero_stage", "3"], "not DeepSpeed"),

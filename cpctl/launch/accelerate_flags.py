@@ -82,8 +82,8 @@ _FSDP = ("cpctl wraps every transformer block with FSDP2 itself (accelerate's TR
          "drop it; FSDP2's options cpctl has: --fsdp-reshard-after-forward, --fsdp-activation-checkpointing, "
          "--fsdp-offload-params")
 CANNOT_HONOUR: dict[str, str] = {
-    "--config-file": "cpctl does not read accelerate's config files; pass their values as flags "
-                     "(cpctl launch --help) or write a profile with cpctl config",
+    "--config-file": "cpctl reads the file accelerate config writes as --config FILE (its keys become the "
+                     "profile's): pass it that way",
     "--use-deepspeed": _DEEPSPEED, "--deepspeed-": _DEEPSPEED, "--zero-stage": _DEEPSPEED,
     "--offload-optimizer-": _DEEPSPEED, "--offload-param-": _DEEPSPEED, "--gradient-clipping": _DEEPSPEED,
     "--gradient-accumulation-steps": "set it in the script: Accelerator(gradient_accumulation_steps=N), or the "
