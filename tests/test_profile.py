@@ -486,3 +486,15 @@ def test_a_count_of_selective_blocks_is_the_mixed_levels(tmp_path: Path) -> None
         assert resolved.profile.memory.selective_blocks == value
     bad = error_of(tmp_path, flags={**on, "memory.checkpoint_level": "mixed", "memory.selective_blocks": "-1"})
     assert "expected an integer >= 0 or fit" in bad
+
+
+@pytest.mark.parametrize(("visible", "installed", "count"), [
+    ("0,1", None, 2), ("", None, 0), ("-1", None, 0), ("NoDevFiles", None, 0), ("garbage,0,1", None, 0),
+    ("0,garbage,1", None, 1), (" 0, 1 ", None, 2), ("GPU-8f6c1c2a-aaaa,MIG-1b2c", None, 2), ("0,1,2,3", 2, 2),
+])
+def test_cuda_visible_devices_counts_as_cuda_reads_it(visible: str, installed: int | None, count: int) -> None:
+    """Up to the first entry that names no GPU: `garbage` is no GPU, not one (the dry run then shows
+    what a real launch gets)."""
+    from cpctl.config.rules import cuda_visible_count
+
+    assert cuda_visible_count(visible, installed=installed) == count

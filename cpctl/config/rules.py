@@ -48,12 +48,27 @@ class Machine:
 def detect_machine(environ: Mapping[str, str] | None = None) -> Machine:
     """Count visible NVIDIA GPUs without importing torch (CUDA_VISIBLE_DEVICES, then the driver)."""
     environ = os.environ if environ is None else environ
+    gpus = Path("/proc/driver/nvidia/gpus")
+    installed = len(list(gpus.iterdir())) if gpus.is_dir() else None
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        ids = [part for part in visible.split(",") if part.strip() and part.strip() != "-1"]
-        return Machine(cuda_devices=len(ids))
-    gpus = Path("/proc/driver/nvidia/gpus")
-    return Machine(cuda_devices=len(list(gpus.iterdir())) if gpus.is_dir() else 0)
+        return Machine(cuda_devices=cuda_visible_count(visible, installed=installed))
+    return Machine(cuda_devices=installed or 0)
+
+
+def cuda_visible_count(visible: str, *, installed: int | None) -> int:
+    """The GPUs CUDA shows for CUDA_VISIBLE_DEVICES=`visible`: its entries in order, up to the first
+    that names no GPU (not an index nor a GPU-/MIG- UUID, `-1`, an index past the `installed` ones
+    where the driver says how many), as CUDA reads it (`NoDevFiles`, SLURM's, shows none)."""
+    count = 0
+    for entry in (part.strip() for part in visible.split(",")):
+        if entry.isdigit():
+            if installed is not None and int(entry) >= installed:
+                break
+        elif not entry.startswith(("GPU-", "MIG-")):
+            break
+        count += 1
+    return count
 
 
 def target_machine(values: Mapping[str, Any], *, detected: Machine) -> tuple[Machine, str]:
