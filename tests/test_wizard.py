@@ -76,8 +76,11 @@ def test_defaults_only_write_a_profile_that_resolves(tmp_path):
     assert (got.launch.device, got.launch.nproc_per_node, got.world_size) == ("cpu", 2, 2)
     # the same default as the profile's everywhere: no CP unless asked for
     assert (got.parallelism.cp_size, got.parallelism.dp_shard_size) == (1, 2)
-    # dp_shard_size is written as auto, not the 2 it comes to here: the profile still fits one process
-    assert yaml.safe_load(out.read_text())["parallelism"]["dp_shard_size"] == "auto"
+    # dp_shard_size and nproc_per_node are written as auto, not the 2 they come to here: the profile
+    # still fits one process, and takes the GPUs of a machine that has them
+    written = yaml.safe_load(out.read_text())
+    assert written["parallelism"]["dp_shard_size"] == "auto" and written["launch"]["nproc_per_node"] == "auto"
+    assert resolved(out, GPU8).launch.nproc_per_node == 8
     one = resolve_apart(tmp_path / "empty", config=out, machine=CPU, flags={"launch.nproc_per_node": 1}).profile
     assert one.parallelism.dp_shard_size == 1
     assert got.parallelism.cp_comm_strategy == "allgather" and got.parallelism.cp_load_balance
@@ -274,6 +277,14 @@ def test_yes_never_overwrites(tmp_path):
     assert out.read_text() == "# mine\n"
 
 
+def test_yes_never_replaces_a_link_even_one_to_nothing(tmp_path):
+    out = tmp_path / "cpctl.yaml"
+    out.symlink_to(tmp_path / "elsewhere.yaml")  # dangling: exists() says False
+    with pytest.raises(CpctlError, match="already exists"):
+        run_yes(output=out)
+    assert out.is_symlink() and not (tmp_path / "elsewhere.yaml").exists()
+
+
 def test_a_profile_for_a_gpu_machine_can_be_written_where_none_is_visible(tmp_path):
     out = tmp_path / "p.yaml"
     flags = {"launch.device": "cuda", "launch.nproc_per_node": "8", "parallelism.cp_size": "8"}
@@ -326,7 +337,7 @@ def test_yes_says_where_a_value_it_chose_came_from(tmp_path):
     # --cp-size 4 on a 2-process default: the processes per machine grow, and the summary says why
     code, shown = run_yes(output=tmp_path / "p.yaml", flags={"parallelism.cp_size": "4"})
     assert code == 0
-    assert "flag --cp-size" in shown and "the fewest processes per machine that fit" in shown
+    assert "flag --cp-size" in shown and "auto if it fits the sizes" in shown
 
 
 def test_input_that_ends_early_writes_nothing(tmp_path):

@@ -218,19 +218,21 @@ def _ask_all(ask: _Asker) -> None:
     if answers["launch.nnodes"] > 1:  # no node_rank: each machine gives its own at launch (launch_command)
         ask.text("launch.rdzv_endpoint", default=None)
 
+    # auto first: the profile then takes the process count of the machine it runs on (a count
+    # written here would hold elsewhere too); a count only where the sizes given need one
     device = _filled(answers, machine)[0]["launch.device"]
     if device == "cuda" and machine.cuda_devices == 0:
         nproc_candidates: list[Any] = [AUTO]  # a profile for another machine: no count to guess
-        hint = "GPUs per machine; none visible here"
+        hint, fitting = "GPUs per machine; none visible here", "auto"
     elif device == "cuda":
-        nproc_candidates = list(range(machine.cuda_devices, 0, -1))
-        hint = f"auto = the {gpus(machine.cuda_devices)} visible"
+        nproc_candidates = [AUTO, *range(machine.cuda_devices, 0, -1)]
+        hint, fitting = f"auto = the {gpus(machine.cuda_devices)} visible", "else the most GPUs"
     else:
-        nproc_candidates = [config.CPU_DEFAULT_NPROC, *range(config.CPU_DEFAULT_NPROC + 1, 65), 1]
-        hint = f"auto = {config.CPU_DEFAULT_NPROC} on cpu"
+        nproc_candidates = [AUTO, *range(config.CPU_DEFAULT_NPROC, 65), 1]
+        hint, fitting = f"auto = {config.CPU_DEFAULT_NPROC} on cpu", "else the fewest processes"
     ask.text("launch.nproc_per_node", hint,
              default=_first_fitting("launch.nproc_per_node", nproc_candidates, answers=answers, machine=machine),
-             why="the fewest processes per machine that fit the sizes given")
+             why=f"auto if it fits the sizes given, {fitting} per machine that do")
 
     filled = _filled(answers, machine)[0]
     world, nproc = world_size(filled), filled["launch.nproc_per_node"]
@@ -330,6 +332,11 @@ def _validated(text: str, *, answers: Answers, machine: Machine, given: Mapping[
             raise CpctlError(f"flags {flags}: {exc}") from None
 
 
+def _taken(output: Path) -> bool:
+    """Whether writing `output` would replace something: a file, or a link, even to nothing."""
+    return output.exists() or output.is_symlink()
+
+
 def _write(output: Path, text: str) -> None:
     """Replace `output` in one step, so an interrupted write leaves no half file."""
     try:
@@ -420,7 +427,7 @@ def run_config(
     answers = _flag_answers({**presets, **flags}, machine)
     if output.is_dir():
         raise CpctlError(f"--output {output} is a directory; pass a file path such as {output / DEFAULT_OUTPUT}")
-    existed = output.exists()
+    existed = _taken(output)
     if existed and not interactive:
         raise CpctlError(f"{output} already exists; pass a new --output or delete the file (cpctl config never overwrites it unasked)")
 
@@ -428,7 +435,7 @@ def run_config(
     ask.origins.update({path: presets_source for path in presets if path not in flags})
     try:
         if interactive:
-            if output.exists() and not ask.q.confirm(f"{output} exists. Overwrite it?", default=False).unsafe_ask():
+            if _taken(output) and not ask.q.confirm(f"{output} exists. Overwrite it?", default=False).unsafe_ask():
                 console.print(Text(f"Kept {output}; nothing written. Pass --output to write elsewhere."))
                 return EXIT_ABORTED
             console.print("Answers are checked as you go; Enter keeps the shown default.")
@@ -446,7 +453,7 @@ def run_config(
                           given=flags if not interactive else {})
     split = views.auto_split(resolved)
     text = profile_yaml(answers, output=output, split=split)
-    if output.exists() and not existed:  # created while the questions were open: not ours to replace
+    if _taken(output) and not existed:  # created while the questions were open: not ours to replace
         raise CpctlError(f"{output} appeared while the wizard was open; nothing written: run cpctl config again "
                          "to decide about it, or pass another --output")
     _write(output, text)
