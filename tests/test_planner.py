@@ -323,6 +323,13 @@ def test_plan_reads_master_weights_from_the_profile(tmp_path: Path) -> None:
     ("[1, 2]", "not a Hugging Face config.json"),
     ('{"hidden_size": 2048}', "no vocab_size"),
     (json.dumps({**LLAMA_32_1B, "num_hidden_layers": "16"}), "num_hidden_layers must be a positive integer"),
+    # an encoder: by its model_type, or by its architectures' heads
+    (json.dumps({**LLAMA_32_1B, "model_type": "bert", "architectures": None}),
+     r"an encoder's config \(model_type bert\), not a decoder LM's"),
+    (json.dumps({**LLAMA_32_1B, "model_type": "t5", "architectures": ["T5EncoderModel"]}),
+     r"an encoder's config \(architectures T5EncoderModel\)"),
+    (json.dumps({**LLAMA_32_1B, "model_type": "newthing", "architectures": ["NewThingForMaskedLM"]}),
+     "an encoder's config"),
 ])
 def test_bad_config_json(tmp_path: Path, text: str, fragment: str) -> None:
     path = tmp_path / "config.json"
@@ -453,6 +460,12 @@ def test_a_hub_id_of_a_presets_model_is_that_preset(hub_id: str, preset: str) ->
 
 
 @pytest.mark.usefixtures("isolated")
+def test_an_encoder_family_built_as_a_decoder_is_planned(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA_32_1B, "model_type": "roberta", "architectures": None, "is_decoder": True}))
+    assert planner.load_model(str(path)).n_layers == LLAMA_32_1B["num_hidden_layers"]
+
+
 def test_unreadable_config_json(tmp_path: Path) -> None:
     bad = tmp_path / "config.json"
     bad.write_text('{"vocab_size": 128256,')

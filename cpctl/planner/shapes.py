@@ -343,6 +343,15 @@ _HUB_CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+# model_types that are encoders unless their config says is_decoder (RoBERTa can be built as one),
+# and the heads that make an architecture an encoder's or a causal LM's
+_ENCODERS = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+                       "camembert", "mpnet", "modernbert", "ernie", "xlnet", "longformer", "big_bird", "funnel"})
+_ENCODER_HEADS = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                  "ForMultipleChoice", "ForPreTraining", "ForNextSentencePrediction")
+_CAUSAL_HEADS = ("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")
+
+
 def model_from_hf_config(config: Mapping[str, Any], *, name: str) -> ModelShape:
     """A Hugging Face config.json (its text model's, for a multimodal one) as a ModelShape: the blocks of
     its model_type (FAMILIES), or a Llama block of its sizes for a model_type cpctl does not know (said in
@@ -355,6 +364,13 @@ def model_from_hf_config(config: Mapping[str, Any], *, name: str) -> ModelShape:
         config = text
     model_type = config.get("model_type")
     model_type = _ALIASES.get(model_type, model_type)
+    heads = [arch for arch in config.get("architectures") or () if isinstance(arch, str)]
+    causal = config.get("is_decoder") or any(arch.endswith(_CAUSAL_HEADS) for arch in heads)
+    encoder_heads = bool(heads) and all(arch.endswith(_ENCODER_HEADS) or "Encoder" in arch for arch in heads)
+    if not causal and (model_type in _ENCODERS or encoder_heads):
+        shown = f"architectures {', '.join(heads)}" if heads else f"model_type {model_type}"
+        raise CpctlError(f"{name}: an encoder's config ({shown}), not a decoder LM's; cpctl plans causal language "
+                         "models (a ...ForCausalLM)")
     family = FAMILIES.get(model_type or "llama")
     if family is None:
         notes.append(f"model_type {model_type}: estimated as a Llama block of its sizes")
