@@ -313,6 +313,7 @@ def launch(
         plan = launcher.prepare(resolved, target=script, target_args=script_args, module=module)
         _note_api_disagrees(resolved.profile, use)
         views.note_without_cp(resolved.profile)
+        launcher.require_devices(resolved.profile)  # a refusal is then the only line
         _stderr().print(f"cpctl: training in {escape(views.precision(resolved))}", soft_wrap=True, highlight=False)
         # Once the workers are done this process has nothing left to finalize: it ends without the
         # interpreter's last garbage collections, which torch's modules make cost 0.7 s a launch.

@@ -156,13 +156,11 @@ def launch(plan: LaunchPlan) -> None:
 
     Raises LaunchError with the exit code to use: the root-cause rank's own code when a worker
     fails (torchrun itself would exit 1), 128 + signal when interrupted (130 for Ctrl-C).
-    Raises CpctlError, before spawning anything, when torch cannot see the GPUs the profile needs.
+    Raises CpctlError, before spawning anything, when torch cannot see the GPUs the profile needs
+    (require_devices, which a caller may run first).
     """
     profile = plan.resolved.profile
-    if profile.launch.device == "cuda":
-        import torch
-
-        check_cuda_devices(profile.launch.nproc_per_node, device_count=torch.cuda.device_count(), environ=os.environ)
+    require_devices(profile)
     # One directory per launch: each worker writes its traceback here when it fails (see
     # cpctl.failure_report), and torchrun its logs (else it leaves a torchelastic_* directory in /tmp
     # every time). Removed after a launch that went well; kept, and named, after a failure.
@@ -187,6 +185,14 @@ def launch(plan: LaunchPlan) -> None:
             note.unlink(missing_ok=True)
         if not any(error_dir.glob(TRACEBACK_GLOB)):
             shutil.rmtree(error_dir, ignore_errors=True)
+
+
+def require_devices(profile: Profile) -> None:
+    """A cuda profile's GPUs, as torch sees them (check_cuda_devices): the last check before workers start."""
+    if profile.launch.device == "cuda":
+        import torch
+
+        check_cuda_devices(profile.launch.nproc_per_node, device_count=torch.cuda.device_count(), environ=os.environ)
 
 
 def check_cuda_devices(nproc_per_node: int, *, device_count: int, environ: Mapping[str, str]) -> None:
