@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 from launching import (REPO, TIMEOUT, cpctl, finish, launch_env, launch_once, plain_losses, probed, probed_env,
-                       start_plain, started, tiered)
+                       start_plain, start_python, started, tiered)
 from pool import Pools
 
 pytest.importorskip("transformers")
@@ -162,6 +162,48 @@ def test_a_model_prepared_twice_is_adopted_once(tmp_path: Path, pools: Pools) ->
         "accelerator.print('same loss', got.item())\n")
     printed = pools.run(script, flags=CP2, cwd=tmp_path)
     assert "same loss" in printed[0]
+
+
+SCHEDULED = """
+import json, sys, torch
+from accelerate import Accelerator
+from transformers import LlamaConfig, LlamaForCausalLM
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: max(0.0, 1 - step / 4))  # to 0 in 4 steps
+accelerator = Accelerator()
+model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+rates, losses = [], []
+generator = torch.Generator().manual_seed(1)
+for _ in range(3):
+    ids = torch.randint(64, (1, 32), generator=generator).to(accelerator.device)
+    labels = torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+    with accelerator.maybe_context_parallel(buffers=[ids, labels], buffer_seq_dims=[1, 1], no_restore_buffers={ids, labels}):
+        loss = model(input_ids=ids, labels=labels, shift_labels=labels).loss
+        accelerator.backward(loss)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    rates.append(scheduler.get_last_lr()[0])
+    losses.append(loss.item())
+if accelerator.is_main_process:
+    json.dump({"rates": rates, "losses": losses}, open(sys.argv[1], "w"))
+"""
+
+
+def test_a_prepared_scheduler_follows_one_process_schedule(tmp_path: Path, pools: Pools) -> None:
+    """accelerate steps a prepared scheduler once per process (each its own batch); the CP ranks of
+    a group share theirs, so under CP it stepped twice as fast as one process: now once per batch."""
+    script = tmp_path / "scheduled.py"
+    script.write_text(SCHEDULED)
+    one_process = start_python(str(script), str(tmp_path / "one.json"), cwd=tmp_path)
+    pools.run(script, str(tmp_path / "cp.json"), flags=CP2, cwd=tmp_path)
+    one_process()
+    one, cp = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "cp"))
+    assert one["rates"] == pytest.approx([0.0075, 0.005, 0.0025]) and cp["rates"] == pytest.approx(one["rates"]), (cp, one)
+    assert all(abs(a - b) <= TOLERANCE for a, b in zip(cp["losses"], one["losses"])), (cp, one)
 
 
 def test_the_dry_run_shows_what_accelerate_is_told(tmp_path: Path) -> None:

@@ -118,6 +118,7 @@ def install(profile: config.Profile, runtime: Runtime | None) -> None:
                     needs=Shape(parameters=("buffers", "buffer_seq_dims", "no_restore_buffers")))
     if context.mesh.seq_enabled:
         _install_once_per_sequence(Accelerator, context)
+        _install_schedule_per_batch(context.mesh.dp_size)
     trainer.install(context)
     fsdp_saving.install_accelerate()
     hf_loading.install(runtime)
@@ -209,6 +210,34 @@ def _adopting(prepare: Any, steps: ModelPreparation, *, main: bool) -> Any:
 
 # The Accelerator whose gather_for_metrics is running in this context: its `gather` keeps one CP rank per group.
 _GATHERING_FOR_METRICS: contextvars.ContextVar[Any] = contextvars.ContextVar("gathering_for_metrics", default=None)
+
+
+def _install_schedule_per_batch(data_ranks: int) -> None:
+    """A scheduler given to `prepare` steps once per process at each optimizer step (accelerate
+    counts every process as a batch of its own); the ranks that split a sequence share theirs, so
+    it steps once per data-parallel rank: the schedule one process with the same global batch has."""
+    from accelerate.scheduler import AcceleratedScheduler
+
+    def per_batch(step: Any) -> Any:
+        @functools.wraps(step)
+        def stepped(self, *args, **kwargs):
+            if self.split_batches or not self.step_with_optimizer or not self.gradient_state.sync_gradients:
+                return step(self, *args, **kwargs)  # one step, or none, whatever the processes
+            self.split_batches = True  # accelerate's own one-step path, taken once per data-parallel rank
+            try:
+                for _ in range(data_ranks):
+                    total = getattr(self.scheduler, "total_steps", None)  # OneCycle: never past its end
+                    if total is not None and self.scheduler._step_count > total:
+                        break
+                    step(self, *args, **kwargs)
+            finally:
+                self.split_batches = False
+
+        return stepped
+
+    PATCHES.replace(AcceleratedScheduler, "step", per_batch,
+                    why="one scheduler step per data-parallel rank: the CP ranks of a group share each batch",
+                    needs=Shape(reads=("split_batches", "step_with_optimizer", "num_processes")))
 
 
 def _install_once_per_sequence(accelerator_class: type, context: StepContext) -> None:
