@@ -164,6 +164,46 @@ def test_a_model_prepared_twice_is_adopted_once(tmp_path: Path, pools: Pools) ->
     assert "same loss" in printed[0]
 
 
+TRAINER_MISTAKES = """
+import sys, torch
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+class Rows(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+    def __getitem__(self, index):
+        ids = (torch.arange(32) + index) % 64
+        return {"input_ids": ids, "labels": ids.clone()}
+class OwnLoss(Trainer):  # a loss written for whole sequences: shifted here, averaged here
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        labels = inputs.pop("labels")
+        logits = model(**inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+        return (loss, logits) if return_outputs else loss
+mistake = sys.argv[1]
+args = TrainingArguments(output_dir="run", max_steps=1, per_device_train_batch_size=1, report_to=[], use_cpu=True,
+                         label_smoothing_factor=0.1 if mistake == "label_smoothing" else 0.0)
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+(OwnLoss if mistake == "own_loss" else Trainer)(model=model, args=args, train_dataset=Rows()).train()
+"""
+TRAINER_REFUSALS = {
+    "label_smoothing": ["label_smoothing_factor 0.1 under context parallelism", "set label_smoothing_factor=0"],
+    "own_loss": ["OwnLoss.compute_loss computed the training loss without Trainer.compute_loss",
+                 "return super().compute_loss("],
+}
+
+
+@pytest.mark.parametrize("mistake", TRAINER_REFUSALS)
+def test_a_trainer_loss_that_would_be_one_shards_is_refused(tmp_path: Path, pools: Pools, mistake: str) -> None:
+    """Label smoothing (the Trainer's smoother shifts and averages each shard's labels itself) and a
+    compute_loss override that computes its own loss from a shard: both were silently not one
+    process's losses; each is refused on every rank before the first update."""
+    script = tmp_path / "mistake.py"
+    script.write_text(TRAINER_MISTAKES)
+    for line in pools[2].attempt(script, mistake, flags=CP2, cwd=tmp_path).refusals():
+        assert all(fragment in line for fragment in TRAINER_REFUSALS[mistake]), line
+
+
 SCHEDULED = """
 import json, sys, torch
 from accelerate import Accelerator

@@ -8,7 +8,9 @@ steps are adapted, in the worker only, through the patch registry (cpctl.integra
   cpctl prepared (its attention is cpctl's implementation, which checks masks itself), and the
   buffers go to `rt.maybe_context_parallel` with what to append by name when a length does not
   divide (labels -100, attention mask 0, positions counted on: cpctl.runtime.padding);
-* `compute_loss`: its loss is the model's local sum over the Trainer's own count of label tokens
+* `compute_loss`: refused with `label_smoothing_factor` (its smoother shifts each shard's labels
+  itself), and a training step whose loss an override computed without it is refused; its loss
+  is the model's local sum over the Trainer's own count of label tokens
   (`num_items_in_batch`), scaled so that the gradient average over dp x cp gives the global mean:
   inside it the runtime lets the model take that count; in evaluation the CP ranks' losses are
   averaged, since accelerate's `gather_for_metrics` may keep one CP rank's value;
@@ -24,8 +26,11 @@ steps are adapted, in the worker only, through the patch registry (cpctl.integra
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,6 +91,33 @@ def _precision_checked(post_init: Any, profile: Any) -> Any:
     return checked
 
 
+# Trainer.compute_loss calls so far in this thread: a sharded training step that made none
+# computed its loss in an override of its own
+_LOSSES_COUNTED: contextvars.ContextVar[int] = contextvars.ContextVar("cpctl_trainer_losses_counted", default=0)
+
+
+@contextlib.contextmanager
+def _through_the_trainers_loss(step: Any, trainer: Any) -> Iterator[None]:
+    """A training step's CP context, refusing what would make its loss one shard's: label smoothing
+    (the smoother shifts each shard's labels itself), and a loss an override computed without
+    Trainer.compute_loss (TRL's own, which cpctl adapts, excepted)."""
+    if getattr(trainer, "label_smoother", None) is not None:
+        raise CpctlError(f"label_smoothing_factor {trainer.args.label_smoothing_factor} under context parallelism: "
+                         "the Trainer's LabelSmoother shifts the labels of each rank's shard itself (each shard's last "
+                         "target lost) and averages per shard, so its loss is not one process's; set "
+                         "label_smoothing_factor=0")
+    owner = next(cls for cls in type(trainer).__mro__ if "compute_loss" in vars(cls))
+    counted = _LOSSES_COUNTED.get()
+    with step():
+        yield
+    if _LOSSES_COUNTED.get() == counted and not owner.__module__.startswith("trl."):
+        raise CpctlError(f"{owner.__name__}.compute_loss computed the training loss without Trainer.compute_loss: "
+                         "under context parallelism each rank holds a shard of every sequence (its labels already "
+                         "shifted), so a loss written for whole sequences is not one process's; return "
+                         "super().compute_loss(model, inputs, return_outputs, num_items_in_batch) from it (the "
+                         "model's own loss, exact under CP), adding your terms to that")
+
+
 def _sharding(prepare_inputs: Any, context: StepContext) -> Any:
     @functools.wraps(prepare_inputs)
     def sharding(self, model, inputs):
@@ -97,10 +129,13 @@ def _sharding(prepare_inputs: Any, context: StepContext) -> Any:
             return trainer_context, inputs
         names = {id(tensor): name for name, tensor in inputs.items() if isinstance(tensor, torch.Tensor)}
         pad_values = [PAD_BY_NAME.get(names.get(id(buffer))) for buffer in buffers]
-        return functools.partial(context.maybe_context_parallel, buffers=buffers,
+        step = functools.partial(context.maybe_context_parallel, buffers=buffers,
                                  buffer_seq_dims=trainer_context.keywords["buffer_seq_dims"],
                                  no_restore_buffers=trainer_context.keywords["no_restore_buffers"],
-                                 pad_values=pad_values), inputs
+                                 pad_values=pad_values)
+        if not model.training:  # evaluation may call the model without a loss
+            return step, inputs
+        return functools.partial(_through_the_trainers_loss, step, self), inputs
 
     return sharding
 
@@ -108,6 +143,7 @@ def _sharding(prepare_inputs: Any, context: StepContext) -> Any:
 def _counting(compute_loss: Any, context: StepContext) -> Any:
     @functools.wraps(compute_loss)
     def counted_by_the_trainer(self, model, *args, **kwargs):
+        _LOSSES_COUNTED.set(_LOSSES_COUNTED.get() + 1)
         world_size = dist.get_world_size()
         if model.training and world_size > 1 and not averages_gradients(model):
             raise CpctlError(f"the Trainer trains a model that no DDP or FSDP wraps, on {world_size} processes: "
