@@ -433,7 +433,9 @@ def test_plan_takes_profiles_as_check_does() -> None:
     (["--model", "1b"], ["--seq-len is required"]),
     (["--seq-len", "1k"], ["--model is required"]),
     (["--model", "1b", "--seq-len", "1k", "--gpus", "two"], ["--gpus two: not an integer"]),
-    (["--model", "1b", "--seq-len", "1k", "--gpu-memory", "0"], ["--gpu-memory 0"]),
+    (["--model", "1b", "--seq-len", "1k", "--gpu-memory", "0"], ["--gpu-memory 0: must be at least 0.001"]),
+    (["--model", "1b", "--seq-len", "1k", "--gpu-memory", "nan"], ["--gpu-memory nan: not a finite number"]),
+    (["--model", "1b", "--seq-len", "1k", "--gpu-memory", "inf"], ["--gpu-memory inf: not a finite number"]),
     (["--model", "1b", "--seq-len", "1k", "--device", "cpu"], ["estimates GPU memory"]),
     (["--model", "1b", "--seq-len", "1k", "--cp-size", "3", "--nproc-per-node", "8"], ["does not divide world size 8"]),
 ])

@@ -41,7 +41,9 @@ def parse_number(text: str, *, what: str, integer: bool = False, minimum: float 
         value = int(text) if integer else float(text)
     except (TypeError, ValueError):
         raise CpctlError(f"{what} {text}: not {'an integer' if integer else 'a number'}") from None
-    if not value >= minimum or math.isinf(value):
+    if math.isnan(value) or math.isinf(value):
+        raise CpctlError(f"{what} {text}: not a finite number")
+    if value < minimum:
         raise CpctlError(f"{what} {text}: must be at least {minimum:g}")
     return value
 
