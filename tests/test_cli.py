@@ -204,7 +204,7 @@ def test_a_gpu_profile_is_previewed_anywhere_but_launched_only_where_it_fits(scr
     args = ("--device", "cuda", "--nproc-per-node", "4", "train.py")
     preview = cpctl("launch", "--dry-run", *args, env={"CUDA_VISIBLE_DEVICES": visible})
     assert preview.exit_code == 0, preview.output
-    assert "as on a node with 4 GPUs (as the profile asks)" in preview.stdout
+    assert "as on a node with 4 GPUs (nproc_per_node as given)" in preview.stdout
     assert "cp 1 x dp_shard 4 = world 4" in preview.stdout or "world 4" in preview.stdout
     assert "Here it would not launch:" in preview.stdout and all(f in preview.stdout for f in fragments)
     assert_one_line_error(cpctl("launch", *args, env={"CUDA_VISIBLE_DEVICES": visible}), *fragments)
@@ -213,7 +213,7 @@ def test_a_gpu_profile_is_previewed_anywhere_but_launched_only_where_it_fits(scr
 def test_one_gpu_is_one_gpu(script: Path) -> None:
     result = cpctl("launch", "--dry-run", "--device", "cuda", "--nproc-per-node", "1", "train.py")
     assert result.exit_code == 0, result.output
-    assert "as on a node with 1 GPU (as the profile asks)" in result.stdout and "1 GPUs" not in result.output
+    assert "as on a node with 1 GPU (nproc_per_node as given)" in result.stdout and "1 GPUs" not in result.output
 
 
 @pytest.mark.parametrize(
@@ -623,7 +623,7 @@ def test_static_is_what_lets_a_cuda_profile_pass_here() -> None:
     # isolated hides every GPU: the same profile fails a plain check
     assert_one_line_error(cpctl("check", "--profile", "cp8-allgather"), "no GPU is visible")
     result = cpctl("check", "--static", "--profile", "cp8-allgather")
-    assert result.exit_code == 0 and "a node with 8 GPUs (as the profile asks)" in result.stdout
+    assert result.exit_code == 0 and "a node with 8 GPUs (nproc_per_node as given)" in result.stdout
     # static still catches what is wrong on any machine
     assert_one_line_error(cpctl("check", "--static", "--profile", "cp8-allgather", "--cp-size", "3"), "!= world size 8")
 

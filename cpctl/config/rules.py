@@ -82,7 +82,7 @@ def target_machine(values: Mapping[str, Any], *, detected: Machine) -> tuple[Mac
         return Machine(cuda_devices=0), f"{nnodes} CPU machines" if several else "a CPU machine"
     if device == "cuda":
         if isinstance(nproc, int):
-            count, why = nproc, "as the profile asks"
+            count, why = nproc, "nproc_per_node as given"
         elif detected.cuda_devices:
             count, why = detected.cuda_devices, f"nproc_per_node auto: the {gpus(detected.cuda_devices)} visible here"
         else:
