@@ -680,3 +680,14 @@ def test_dry_run_says_what_ulysses_does(script: Path) -> None:
     assert "across nodes (sp x tp = 4 > 2 processes per node" in " ".join(wide.stdout.split())
     bad = cpctl("launch", "--dry-run", "--device", "cpu", "--nproc-per-node", "4", "--sp-size", "3", "train.py")
     assert bad.exit_code == 2 and "sp(3)" in bad.output
+
+
+def test_more_cpu_processes_than_cores_are_said_before_they_start(script: Path, torchrun: TorchrunSpy,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    result = cpctl("launch", "--device", "cpu", "--nproc-per-node", "8", "--cp-size", "2", "train.py")
+    assert result.exit_code == 0, result.output
+    assert "note: 8 CPU processes on 2 cores: each gets 0.25 of a core" in result.stdout
+    assert "--nproc-per-node 2 or fewer" in result.stdout and len(torchrun.calls) == 1
+    quiet = cpctl("launch", "--device", "cpu", "--nproc-per-node", "2", "--cp-size", "2", "train.py")
+    assert quiet.exit_code == 0 and "CPU processes on" not in quiet.output

@@ -15,6 +15,7 @@ import functools
 import gc
 import inspect
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -313,6 +314,7 @@ def launch(
         plan = launcher.prepare(resolved, target=script, target_args=script_args, module=module)
         _note_api_disagrees(resolved.profile, use)
         views.note_without_cp(resolved.profile)
+        views.note_more_processes_than_cores(resolved.profile, cores=os.cpu_count())
         launcher.require_devices(resolved.profile)  # a refusal is then the only line
         _stderr().print(f"cpctl: training in {escape(views.precision(resolved))}", soft_wrap=True, highlight=False)
         # Once the workers are done this process has nothing left to finalize: it ends without the

@@ -250,6 +250,16 @@ def note_without_cp(profile) -> None:
                         "whole sequences); pass --cp-size N to split each sequence over N ranks", soft_wrap=True)
 
 
+def note_more_processes_than_cores(profile, *, cores: int | None) -> None:
+    """CPU workers beyond this machine's cores each get a slice of one, and a run that looks hung
+    is only slow: said before they start."""
+    launch = profile.launch
+    if launch.device == "cpu" and cores and launch.nproc_per_node > cores:
+        _stdout().print(f"[yellow]note:[/] {launch.nproc_per_node} CPU processes on {cores} cores: each gets "
+                        f"{cores / launch.nproc_per_node:.2g} of a core, so every step is that much slower; "
+                        f"--nproc-per-node {cores} or fewer runs at full speed", soft_wrap=True)
+
+
 def auto_split(resolved) -> str | None:
     """The split sp_size auto chose, and why, in one line (None when sp_size was not auto)."""
     reason = resolved.auto_reason("parallelism.sp_size")
