@@ -149,6 +149,13 @@ def test_the_dry_run_of_a_fixed_split_says_nothing_of_auto(cli) -> None:
     assert "sp_size auto" not in result.stdout
 
 
+def test_plan_of_machines_given_as_nnodes_needs_no_rendezvous(cli, isolated: Path) -> None:
+    """A plan is arithmetic: the endpoint a launch of several machines needs is not asked for."""
+    result = cli("plan", "--model", "1b", "--seq-len", "64k", "--gpus", "12", "--nnodes", "2", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["profile"]["target"].startswith("2 nodes with 6 GPUs each")
+
+
 def test_plan_prints_the_split_sp_size_auto_chose(cli, isolated: Path) -> None:
     (isolated / "long.yaml").write_text("model: llama-3.1-8b\nparallelism: {sp_size: auto}\n")
     result = cli("plan", "--config", "long.yaml", "--seq-len", "1M", "--gpus", "16", "--chunked-loss", "--json")

@@ -245,7 +245,6 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
         if "launch.nnodes" not in values and gpus > GPUS_PER_NODE and gpus % GPUS_PER_NODE == 0:
             nnodes = gpus // GPUS_PER_NODE  # nodes of 8, as GPUs come; Ulysses stays inside one
             extra["launch.nnodes"] = str(nnodes)
-            extra.setdefault("launch.rdzv_endpoint", values.get("launch.rdzv_endpoint") or "node0:29500")
             machines = f" on {nnodes} nodes of {GPUS_PER_NODE} (--nnodes for others)"
         extra["launch.nproc_per_node"] = str(gpus // nnodes)
         if "parallelism.cp_size" not in flags:
@@ -258,6 +257,8 @@ def resolve_setup(*, flags: Mapping[str, str], config: str | Path | None = None,
             note = f"--gpus {gpus}{machines}: {'sequence ranks' if sp == AUTO else 'cp'} {gpus // others}"
         if "parallelism.dp_shard_size" not in flags:
             extra["parallelism.dp_shard_size"] = AUTO
+    if int(extra.get("launch.nnodes", values.get("launch.nnodes", 1))) > 1 and not values.get("launch.rdzv_endpoint"):
+        extra["launch.rdzv_endpoint"] = "node0:29500"  # what a launch needs; a plan rendezvous with nobody
     shown = preview(flags={**flags, **extra}, config=config, profile_name=profile_name, environ=environ, cwd=cwd)
     setup = dataclasses.replace(Setup.from_profile(shown.resolved.profile, chunked_loss=chunked_loss, batch=batch),
                                 logits_kept=logits_kept, lora=lora)
