@@ -183,7 +183,8 @@ mistake = sys.argv[1]
 args = TrainingArguments(output_dir="run", max_steps=1, per_device_train_batch_size=1, report_to=[], use_cpu=True,
                          label_smoothing_factor=0.1 if mistake == "label_smoothing" else 0.0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, use_cache=False))
+                                     num_attention_heads=4, num_key_value_heads=2, use_cache=False)).eval()
+# .eval(): as from_pretrained returns it; the Trainer switches it to training inside the first step
 (OwnLoss if mistake == "own_loss" else Trainer)(model=model, args=args, train_dataset=Rows()).train()
 """
 TRAINER_REFUSALS = {

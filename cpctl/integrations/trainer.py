@@ -8,8 +8,8 @@ steps are adapted, in the worker only, through the patch registry (cpctl.integra
   cpctl prepared (its attention is cpctl's implementation, which checks masks itself), and the
   buffers go to `rt.maybe_context_parallel` with what to append by name when a length does not
   divide (labels -100, attention mask 0, positions counted on: cpctl.runtime.padding);
-* `compute_loss`: refused with `label_smoothing_factor` (its smoother shifts each shard's labels
-  itself), and a training step whose loss an override computed without it is refused; its loss
+* `compute_loss`: a training step with `label_smoothing_factor` (its smoother shifts each shard's
+  labels itself), or whose loss an override computed without it, is refused; its loss
   is the model's local sum over the Trainer's own count of label tokens
   (`num_items_in_batch`), scaled so that the gradient average over dp x cp gives the global mean:
   inside it the runtime lets the model take that count; in evaluation the CP ranks' losses are
@@ -97,20 +97,26 @@ _LOSSES_COUNTED: contextvars.ContextVar[int] = contextvars.ContextVar("cpctl_tra
 
 
 @contextlib.contextmanager
-def _through_the_trainers_loss(step: Any, trainer: Any) -> Iterator[None]:
-    """A training step's CP context, refusing what would make its loss one shard's: label smoothing
-    (the smoother shifts each shard's labels itself), and a loss an override computed without
-    Trainer.compute_loss (TRL's own, which cpctl adapts, excepted)."""
+def _through_the_trainers_loss(step: Any, trainer: Any, model: Any) -> Iterator[None]:
+    """A step's CP context that, for a training step, refuses what made its loss one shard's: label
+    smoothing (the smoother shifts each shard's labels itself), and a loss an override computed
+    without Trainer.compute_loss (TRL's own, which cpctl adapts, excepted). Told at the end of the
+    step, before any update: only there is the mode known (training_step calls model.train() inside
+    the context, and a model from from_pretrained arrives in eval mode)."""
+    counted = _LOSSES_COUNTED.get()
+    with step():
+        yield
+    if not model.training:  # an evaluation's step: it may call the model without a loss
+        return
     if getattr(trainer, "label_smoother", None) is not None:
         raise CpctlError(f"label_smoothing_factor {trainer.args.label_smoothing_factor} under context parallelism: "
                          "the Trainer's LabelSmoother shifts the labels of each rank's shard itself (each shard's last "
                          "target lost) and averages per shard, so its loss is not one process's; set "
                          "label_smoothing_factor=0")
+    if _LOSSES_COUNTED.get() != counted:
+        return
     owner = next(cls for cls in type(trainer).__mro__ if "compute_loss" in vars(cls))
-    counted = _LOSSES_COUNTED.get()
-    with step():
-        yield
-    if _LOSSES_COUNTED.get() == counted and not owner.__module__.startswith("trl."):
+    if not owner.__module__.startswith("trl."):
         raise CpctlError(f"{owner.__name__}.compute_loss computed the training loss without Trainer.compute_loss: "
                          "under context parallelism each rank holds a shard of every sequence (its labels already "
                          "shifted), so a loss written for whole sequences is not one process's; return "
@@ -133,9 +139,7 @@ def _sharding(prepare_inputs: Any, context: StepContext) -> Any:
                                  buffer_seq_dims=trainer_context.keywords["buffer_seq_dims"],
                                  no_restore_buffers=trainer_context.keywords["no_restore_buffers"],
                                  pad_values=pad_values)
-        if not model.training:  # evaluation may call the model without a loss
-            return step, inputs
-        return functools.partial(_through_the_trainers_loss, step, self), inputs
+        return functools.partial(_through_the_trainers_loss, step, self, model), inputs
 
     return sharding
 
