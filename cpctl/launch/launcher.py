@@ -156,11 +156,9 @@ def launch(plan: LaunchPlan) -> None:
 
     Raises LaunchError with the exit code to use: the root-cause rank's own code when a worker
     fails (torchrun itself would exit 1), 128 + signal when interrupted (130 for Ctrl-C).
-    Raises CpctlError, before spawning anything, when torch cannot see the GPUs the profile needs
-    (require_devices, which a caller may run first).
+    The caller checks the GPUs torch sees first (require_devices), before anything it prints.
     """
     profile = plan.resolved.profile
-    require_devices(profile)
     # One directory per launch: each worker writes its traceback here when it fails (see
     # cpctl.failure_report), and torchrun its logs (else it leaves a torchelastic_* directory in /tmp
     # every time). Removed after a launch that went well; kept, and named, after a failure.
@@ -188,7 +186,8 @@ def launch(plan: LaunchPlan) -> None:
 
 
 def require_devices(profile: Profile) -> None:
-    """A cuda profile's GPUs, as torch sees them (check_cuda_devices): the last check before workers start."""
+    """A cuda profile's GPUs, as torch sees them (check_cuda_devices): the last check before `launch`
+    starts workers. Raises CpctlError."""
     if profile.launch.device == "cuda":
         import torch
 
